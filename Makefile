@@ -1,0 +1,31 @@
+# The two commands of the README: `make demo` and `make test`. Each creates .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: setup demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+setup: $(STAMP)
+
+# parlay's main job on its default: plan and draw a redistribution.
+demo: $(STAMP)
+	$(BIN)/parlay redistribute --mesh dp=2,tp=4 --shape 8,16 --src "dp,tp" --dst "None,dp"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/redistribute_vs_xla.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

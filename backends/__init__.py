@@ -1,0 +1,1 @@
+"""parlay backends: lowering the layout IR to PyTorch and to JAX."""

@@ -1,0 +1,1 @@
+"""The PyTorch backend (torch.distributed); see the README for what has landed."""

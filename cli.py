@@ -1,0 +1,165 @@
+"""parlay's command line: ``parlay <command> ...`` (also ``python -m parlay``)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .core import Layout, Mesh, P, Plan, plan_redistribute
+
+__all__ = ["main"]
+
+_DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8, "int8": 1}
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def parse_mesh(text: str) -> Mesh:
+    axes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit():
+            raise UsageError(f"--mesh {text!r}: {part!r} is not NAME=SIZE; write e.g. --mesh dp=2,tp=4")
+        axes.append((name.strip(), int(size)))
+    if not axes:
+        raise UsageError(f"--mesh {text!r} names no axis; write e.g. --mesh dp=2,tp=4")
+    return Mesh(axes)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise UsageError(f"--shape {text!r} is not a list of sizes; write e.g. --shape 8,16")
+    return tuple(int(p) for p in parts)
+
+
+def parse_axes(text: str | None) -> tuple[str, ...]:
+    return tuple(a.strip() for a in (text or "").split(",") if a.strip())
+
+
+# -- pictures ------------------------------------------------------------------------------------
+
+def layout_picture(layout: Layout, shape: Sequence[int], *, max_cells: int = 256) -> Table | Text:
+    """Which ranks hold which block: rows are blocks of the leading dims, columns of the last.
+
+    In a partial layout a block's ranks hold addends of it (marked with a Σ).
+    """
+    shape = tuple(shape)
+    counts = [layout.shard_count(d) for d in range(len(shape))] or [1]
+    rows, cols = math.prod(counts[:-1]), counts[-1]
+    if rows * cols > max_cells:
+        return Text(f"({rows * cols} blocks: too many to draw)")
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for r in range(layout.mesh.size):
+        holders.setdefault(tuple(layout.shard_index(r, d) for d in range(len(shape))), []).append(r)
+    sigma = "Σ " if layout.partial else ""
+    table = Table(show_header=False, show_lines=True, padding=(0, 1))
+    for _ in range(cols):
+        table.add_column(justify="center")
+    for row in range(rows):
+        lead = tuple(_unravel(row, counts[:-1]))
+        table.add_row(*(Text(sigma + ",".join(map(str, holders.get(lead + (col,), [])))) for col in range(cols)))
+    return table
+
+
+def _unravel(i: int, sizes: Sequence[int]) -> list[int]:
+    out = []
+    for s in reversed(sizes):
+        i, c = divmod(i, s)
+        out.append(c)
+    return out[::-1]
+
+
+def print_plan(plan: Plan, console: Console) -> None:
+    src, dst = plan.src, plan.dst
+    console.print(f"{src.mesh}, global shape {plan.shape}, {plan.itemsize} bytes per element", style="bold")
+    console.print(f"src {src}  (local {src.local_shape(plan.shape)})  ->  dst {dst}  (local {dst.local_shape(plan.shape)})")
+    if plan.mesh != src.mesh:
+        console.print(f"the plan splits axes into sub-axes: {plan.mesh} (same rank numbers)")
+    steps = Table(title="plan", title_justify="left")
+    steps.add_column("#", justify="right")
+    steps.add_column("step")
+    steps.add_column("layout after")
+    steps.add_column("bytes sent / device", justify="right")
+    for i, (step, sent) in enumerate(zip(plan.steps, plan.step_bytes)):
+        steps.add_row(str(i + 1), Text(str(step)), Text(str(plan.layouts[i + 1])), f"{max(sent):,}")
+    if not plan.steps:
+        steps.add_row("-", "nothing to move: src and dst hold the same data", "", "0")
+    console.print(steps)
+    console.print(f"total: {plan.bytes_per_device:,} bytes sent by the busiest device (ring algorithms)", style="bold")
+    pictures = Table(show_header=True, box=None, padding=(0, 4))
+    pictures.add_column(Text(f"before: {src}"))
+    pictures.add_column(Text(f"after: {dst}"))
+    pictures.add_row(layout_picture(src, plan.shape), layout_picture(dst, plan.shape))
+    console.print(pictures)
+    lead = "dim 0" if len(plan.shape) == 2 else f"dims 0..{len(plan.shape) - 2}"
+    legend = f"each cell is a block; it lists the ranks that hold it. Rows: blocks of {lead}; columns: blocks of dim {len(plan.shape) - 1}."
+    if len(plan.shape) == 1:
+        legend = "each cell is a block of dim 0; it lists the ranks that hold it."
+    if src.partial or dst.partial:
+        legend += " Σ: those ranks hold addends whose sum is the block (a pending sum)."
+    console.print(legend, style="dim")
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+def _cmd_redistribute(args: argparse.Namespace, console: Console) -> int:
+    mesh = parse_mesh(args.mesh)
+    shape = parse_shape(args.shape)
+    if args.dtype not in _DTYPES:
+        raise UsageError(f"--dtype {args.dtype!r} is unknown; choose one of {', '.join(_DTYPES)}")
+    src = Layout(mesh, P.parse(args.src), parse_axes(args.src_partial))
+    dst = Layout(mesh, P.parse(args.dst), parse_axes(args.dst_partial))
+    plan = plan_redistribute(src, dst, shape, itemsize=_DTYPES[args.dtype])
+    print_plan(plan, console)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="parlay", description="Parallel layouts written once, run on PyTorch and JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    r = sub.add_parser(
+        "redistribute",
+        help="plan the collectives that turn one layout into another, and draw both",
+        description="Plan a redistribution between two layouts of one tensor on one mesh. A spec lists one "
+                    "entry per dim: an axis, None, or several axes in parentheses, e.g. \"(dp,tp),None\".",
+    )
+    r.add_argument("--mesh", required=True, help="mesh axes and sizes, e.g. dp=2,tp=4")
+    r.add_argument("--shape", required=True, help="global shape, e.g. 8,16")
+    r.add_argument("--src", required=True, help='source spec, e.g. "dp,tp"')
+    r.add_argument("--dst", required=True, help='destination spec, e.g. "None,dp"')
+    r.add_argument("--src-partial", default="", help="axes over which the source holds pending sums, e.g. tp")
+    r.add_argument("--dst-partial", default="", help="axes over which the destination keeps pending sums")
+    r.add_argument("--dtype", default="float32", help="element type, for the byte counts (default float32)")
+    r.set_defaults(run=_cmd_redistribute)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    console = Console(markup=False, highlight=False)
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args, console)
+    except UsageError as e:
+        print(str(e) if str(e).startswith("parlay") else f"parlay: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        print(f"parlay: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Logical-axis rules: layers name tensor dims logically, a strategy maps names to mesh axes.
+
+Ordered like Flax's ``logical_axis_rules``: for each dim, the rules for its logical name are
+tried in order and the first whose mesh axes this tensor has not used yet is taken (``None``
+means replicated). Unlike Flax, nothing falls back silently: a dim whose every rule conflicts,
+or a rule naming an axis the mesh lacks, is an error that lists every offending tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from .mesh import Mesh
+from .spec import Layout, P, check_layout
+
+__all__ = ["Rules", "RuleError"]
+
+LogicalDims = Sequence[str | None]
+
+
+class RuleError(ValueError):
+    """A rule set does not fit a mesh or a set of tensors; ``problems`` lists each failure."""
+
+    def __init__(self, headline: str, problems: Sequence[str]):
+        self.problems = tuple(problems)
+        super().__init__(headline + "\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def _axes_of(value: object, name: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, tuple) and value and all(isinstance(a, str) for a in value):
+        if len(set(value)) != len(value):
+            raise ValueError(f"rule {name!r} -> {value!r} lists a mesh axis twice.")
+        return value
+    raise TypeError(
+        f"rule {name!r} -> {value!r}: a rule maps a logical dim name to None, a mesh axis name, or a "
+        f"tuple of axis names."
+    )
+
+
+def _rule_str(axes: tuple[str, ...]) -> str:
+    return "None" if not axes else repr(axes[0]) if len(axes) == 1 else repr(axes)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Rules:
+    """An ordered rule set, e.g. ``Rules([("batch", "dp"), ("mlp", "tp"), ("heads", "tp")])``."""
+
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def __init__(self, rules: Iterable[tuple[str, object]] | Mapping[str, object] = ()):
+        items = rules.items() if isinstance(rules, Mapping) else rules
+        out = []
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"a rule is a (logical name, mesh axes) pair, got {item!r}.")
+            out.append((item[0], _axes_of(item[1], item[0])))
+        object.__setattr__(self, "rules", tuple(out))
+
+    def __add__(self, other: "Rules") -> "Rules":
+        """Concatenate: ``self``'s rules are tried first."""
+        return Rules(self.rules + other.rules)
+
+    def candidates(self, name: str | None) -> tuple[tuple[str, ...], ...]:
+        return tuple(axes for n, axes in self.rules if n == name) if name is not None else ()
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        seen: list[str] = []
+        for _, axes in self.rules:
+            seen += [a for a in axes if a not in seen]
+        return tuple(seen)
+
+    # -- resolving ---------------------------------------------------------------------------
+    def _resolve(self, tensor: str, dims: LogicalDims, mesh: Mesh) -> tuple[P | None, list[str]]:
+        problems: list[str] = []
+        entries: list[tuple[str, ...]] = []
+        used: dict[str, int] = {}
+        for d, name in enumerate(dims):
+            if name is not None and not isinstance(name, str):
+                raise TypeError(f"tensor {tensor!r}: logical dim {d} is {name!r}; logical dims are names or None.")
+            cands = self.candidates(name)
+            if not cands:  # no rule for this name: replicated
+                entries.append(())
+                continue
+            missing = [a for axes in cands for a in axes if not mesh.has_axis(a)]
+            if missing:
+                problems.append(
+                    f"{tensor!r} dim {d} ({name!r}): a rule maps {name!r} to axis {missing[0]!r}, which "
+                    f"{mesh} lacks; add the axis to the mesh or drop the rule"
+                )
+                entries.append(())
+                continue
+            chosen = next((axes for axes in cands if not any(a in used for a in axes)), None)
+            if chosen is None:
+                clash = {a: used[a] for axes in cands for a in axes if a in used}
+                taken = ", ".join(f"{a!r} by dim {dd} ({dims[dd]!r})" for a, dd in clash.items())
+                problems.append(
+                    f"{tensor!r} dim {d} ({name!r}): every rule for {name!r} ({', '.join(map(_rule_str, cands))}) "
+                    f"uses a mesh axis this tensor already uses ({taken}); an axis may shard one dim. "
+                    f"Add a fallback rule ({name!r}, None) or map the names to different axes"
+                )
+                entries.append(())
+                continue
+            for a in chosen:
+                used[a] = d
+            entries.append(chosen)
+        return (None if problems else P(*(e or None for e in entries))), problems
+
+    def resolve(self, dims: LogicalDims, mesh: Mesh, *, name: str = "tensor") -> P:
+        """The spec of one tensor whose dims are named ``dims``."""
+        spec, problems = self._resolve(name, dims, mesh)
+        if problems:
+            raise RuleError(f"rules do not fit {mesh} for 1 tensor:", problems)
+        return spec
+
+    def layout(self, dims: LogicalDims, mesh: Mesh, *, name: str = "tensor") -> Layout:
+        return Layout(mesh, self.resolve(dims, mesh, name=name))
+
+    def resolve_all(self, tensors: Mapping[str, LogicalDims], mesh: Mesh,
+                    shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Layout]:
+        """Layouts for a tree of named tensors; every failure is reported at once."""
+        problems: list[str] = []
+        out: dict[str, Layout] = {}
+        offenders = set()
+        for tname, dims in tensors.items():
+            spec, probs = self._resolve(tname, dims, mesh)
+            if probs:
+                problems += probs
+                offenders.add(tname)
+                continue
+            layout = Layout(mesh, spec)
+            if shapes is not None and tname in shapes:
+                shape = tuple(shapes[tname])
+                if len(shape) != len(dims):
+                    problems.append(f"{tname!r}: {len(dims)} logical dims {tuple(dims)} but shape {shape}")
+                    offenders.add(tname)
+                    continue
+                try:
+                    check_layout(layout, shape)
+                except ValueError as e:
+                    problems.append(f"{tname!r} {tuple(dims)}: {e}")
+                    offenders.add(tname)
+                    continue
+            out[tname] = layout
+        if problems:
+            raise RuleError(f"rules do not fit {mesh} for {len(offenders)} tensor(s):", problems)
+        return out
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"({n!r}, {a[0]!r})" if len(a) == 1 else f"({n!r}, {a or None!r})" for n, a in self.rules)
+        return f"Rules([{body}])"

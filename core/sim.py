@@ -1,0 +1,145 @@
+"""The simulator: layouts and plans executed on per-rank numpy arrays.
+
+This is the executable specification the backends are tested against: ``scatter`` says what a
+layout means, ``simulate`` what each step does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .einsum import EinsumPlan
+from .plan import Plan
+from .spec import Layout
+from .steps import AllGather, AllReduce, AllToAll, LocalSlice, Permute, ReduceScatter, Step
+
+__all__ = ["scatter", "gather", "simulate", "simulate_step", "simulate_einsum", "resolve_partial"]
+
+
+def _check_shards(shards: Sequence[np.ndarray], layout: Layout, what: str) -> None:
+    if len(shards) != layout.mesh.size:
+        raise ValueError(
+            f"{what}: got {len(shards)} shards for {layout.mesh} with {layout.mesh.size} ranks; "
+            f"pass one array per rank, in rank order."
+        )
+
+
+def scatter(x: np.ndarray, layout: Layout, *, rng: np.random.Generator | int | None = 0) -> list[np.ndarray]:
+    """Split the global array ``x`` into per-rank shards of ``layout``.
+
+    For a partial layout the ranks of each pending-sum group hold random addends that sum to
+    their block (exactly for integer dtypes; the last addend absorbs the rest). ``rng`` seeds them.
+    A layout's replicated axes mean identical values, addends included: groups holding the same
+    block get the same addends. (Without that, two operands partial over different axes would
+    not multiply to the product of their sums.)
+    """
+    x = np.asarray(x)
+    slices = layout.shard_slices(x.shape)
+    shards = [np.array(x[s]) for s in slices]
+    if not layout.partial:
+        return shards
+    rng = np.random.default_rng(rng)
+    mesh = layout.mesh
+    by_block: dict[tuple[int, ...], list[np.ndarray]] = {}
+    for group in mesh.groups(layout.partial):
+        block_key = tuple(layout.shard_index(group[0], d) for d in range(x.ndim))
+        if block_key not in by_block:
+            block = shards[group[0]]
+            if np.issubdtype(block.dtype, np.integer):
+                addends = [rng.integers(-9, 10, size=block.shape).astype(block.dtype) for _ in group[1:]]
+            else:
+                addends = [rng.standard_normal(block.shape).astype(block.dtype) for _ in group[1:]]
+            by_block[block_key] = addends + [block - sum(addends, np.zeros_like(block))]
+        for r, part in zip(group, by_block[block_key]):
+            shards[r] = part.copy()
+    return shards
+
+
+def resolve_partial(shards: Sequence[np.ndarray], layout: Layout) -> list[np.ndarray]:
+    """Sum the pending partials: the shards of ``layout`` without its partial axes."""
+    _check_shards(shards, layout, "resolve_partial")
+    out = list(shards)
+    if layout.partial:
+        for group in layout.mesh.groups(layout.partial):
+            total = sum((shards[r] for r in group[1:]), shards[group[0]].copy())
+            for r in group:
+                out[r] = total
+    return out
+
+
+def gather(shards: Sequence[np.ndarray], layout: Layout) -> np.ndarray:
+    """Assemble the global array from per-rank shards (summing pending partials)."""
+    _check_shards(shards, layout, "gather")
+    shards = resolve_partial(shards, layout)
+    local = shards[0].shape
+    shape = tuple(n * layout.shard_count(d) for d, n in enumerate(local))
+    out = np.empty(shape, dtype=shards[0].dtype)
+    for r, s in enumerate(layout.shard_slices(shape)):
+        if shards[r].shape != local:
+            raise ValueError(f"gather: rank {r} holds shape {shards[r].shape} but rank 0 holds {local}; shards are even.")
+        out[s] = shards[r]
+    return out
+
+
+def _split(x: np.ndarray, n: int, dim: int) -> list[np.ndarray]:
+    return np.split(x, n, axis=dim)
+
+
+def simulate_step(step: Step, shards: Sequence[np.ndarray], layout: Layout) -> list[np.ndarray]:
+    """Execute one step on per-rank arrays; ``layout`` is the layout before the step."""
+    mesh = layout.mesh
+    out = list(shards)
+    if isinstance(step, Permute):
+        for src, dst in step.pairs:
+            out[dst] = shards[src]
+        return out
+    for group in mesh.groups(step.axes):
+        n = len(group)
+        if isinstance(step, AllGather):
+            full = np.concatenate([shards[r] for r in group], axis=step.dim)
+            for r in group:
+                out[r] = full
+        elif isinstance(step, AllReduce):
+            total = sum((shards[r] for r in group[1:]), shards[group[0]].copy())
+            for r in group:
+                out[r] = total
+        elif isinstance(step, ReduceScatter):
+            total = sum((shards[r] for r in group[1:]), shards[group[0]].copy())
+            for k, r in enumerate(group):
+                out[r] = _split(total, n, step.dim)[k]
+        elif isinstance(step, AllToAll):
+            pieces = [_split(shards[r], n, step.split_dim) for r in group]
+            for k, r in enumerate(group):
+                out[r] = np.concatenate([pieces[src][k] for src in range(n)], axis=step.concat_dim)
+        elif isinstance(step, LocalSlice):
+            for k, r in enumerate(group):
+                out[r] = _split(shards[r], n, step.dim)[k]
+        else:
+            raise TypeError(f"simulate_step: {step!r} is not a plan step.")
+    return out
+
+
+def simulate(plan: Plan, shards: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Execute ``plan`` on the per-rank shards of ``plan.src``; returns shards of ``plan.dst``."""
+    _check_shards(shards, plan.src, "simulate")
+    local = plan.src.local_shape(plan.shape)
+    for r, s in enumerate(shards):
+        if tuple(s.shape) != local:
+            raise ValueError(
+                f"simulate: rank {r} holds shape {tuple(s.shape)} but {plan.src} of {plan.shape} "
+                f"gives local shape {local}."
+            )
+    out = list(shards)
+    for step, before in zip(plan.steps, plan.layouts):
+        out = simulate_step(step, out, before)
+    return out
+
+
+def simulate_einsum(plan: EinsumPlan, *operands: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Run an ``EinsumPlan``: move each operand's shards, then ``numpy.einsum`` on every rank."""
+    if len(operands) != len(plan.operand_plans):
+        raise ValueError(f"simulate_einsum: plan has {len(plan.operand_plans)} operands, got {len(operands)}.")
+    moved = [simulate(p, shards) for p, shards in zip(plan.operand_plans, operands)]
+    return [np.einsum(plan.equation, *local) for local in zip(*moved)]

@@ -1,0 +1,1 @@
+"""Triton kernels for the PyTorch backend; see the README for what has landed."""
