@@ -7,6 +7,10 @@ per tensor dim, which atoms shard it (major to minor) and which atoms are pendin
 are the steps of ``steps.py``. Dijkstra over states, with cost (bytes the busiest device sends,
 number of steps, peak local size), finds the cheapest plan. Axes that the chosen plan never
 splits are written back as whole axes, so most plans name only the user's axes.
+
+Two limits keep plans sensible and planning fast:
+- an axis replicated in both layouts never carries traffic (see ``_Search``);
+- at most ``MAX_ATOMS`` atoms in all: on large meshes the axes are split less finely.
 """
 
 from __future__ import annotations
@@ -72,6 +76,10 @@ class Plan:
 
 # -- atoms ---------------------------------------------------------------------------------------
 
+# The search is exponential in the number of atoms: 6 plans in well under a second, 8 can take a
+# minute. Larger meshes split their axes less finely (and may miss a split XLA would find).
+MAX_ATOMS = 6
+
 def _prime_factors(n: int) -> tuple[int, ...]:
     out, p = [], 2
     while p * p <= n:
@@ -93,10 +101,17 @@ class _Atoms:
     axis_of: dict  # atom -> axis
 
     @classmethod
-    def of(cls, mesh: Mesh) -> "_Atoms":
+    def of(cls, mesh: Mesh, involved: set[str]) -> "_Atoms":
+        """Atoms of the ``involved`` axes: prime factors, coarsened to at most MAX_ATOMS in all."""
+        split = {axis: list(_prime_factors(n)) for axis, n in mesh.axes if axis in involved}
+        while sum(map(len, split.values())) > MAX_ATOMS:
+            # Merge the two most minor factors of the most split axis (ties: the later axis).
+            axis = max(split, key=lambda a: (len(split[a]), mesh.axis_names.index(a)))
+            f = split[axis]
+            f[-2:] = [f[-2] * f[-1]]
         factors, names, size, axis_of = {}, {}, {}, {}
         for axis, n in mesh.axes:
-            f = _prime_factors(n)
+            f = tuple(split.get(axis, (n,)))
             factors[axis] = f
             names[axis] = (axis,) if len(f) == 1 else tuple(f"{axis}.{i}" for i in range(len(f)))
             for a, s in zip(names[axis], f):
@@ -129,18 +144,28 @@ class _Search:
         involved = {a for s in start[0] + goal[0] for a in s} | start[1] | goal[1]
         self.all_atoms = tuple(a for a in atoms.size if a in involved)
         self._classes: dict = {}
+        self._expanded: set = set()
+        self._counts: dict = {}
+        self._elems: dict = {}
+
+    def count(self, stack: tuple[str, ...]) -> int:
+        if stack not in self._counts:
+            self._counts[stack] = self.atoms.count(stack)
+        return self._counts[stack]
 
     def local_elems(self, stacks) -> int:
-        return math.prod(n // self.atoms.count(s) for n, s in zip(self.shape, stacks))
+        if stacks not in self._elems:
+            self._elems[stacks] = math.prod(n // self.count(s) for n, s in zip(self.shape, stacks))
+        return self._elems[stacks]
 
     def fits(self, d: int, stack: tuple[str, ...]) -> bool:
-        return self.shape[d] % self.atoms.count(stack) == 0
+        return self.shape[d] % self.count(stack) == 0
 
     def moves(self, state: _State):
         """Yield (step on atoms, next state, bytes one device sends)."""
         stacks, partial = state
         L = self.local_elems(stacks)
-        cost = lambda kind, group: collective_bytes(kind, self.atoms.count(group), L, self.itemsize)
+        cost = lambda kind, group: collective_bytes(kind, self.count(group), L, self.itemsize)
         used = {a for s in stacks for a in s} | partial
         replicated = [a for a in self.all_atoms if a not in used]
         reducible = [a for a in self.all_atoms if a in partial and a not in self.keep_partial]
@@ -152,34 +177,42 @@ class _Search:
                 new[d] = s
             return tuple(new)
 
+        # Gathers, reduce-scatters and slices move one atom at a time: over several atoms they
+        # send the same bytes as in sequence, and _merge joins the sequence into one step
+        # afterwards. All-to-alls and all-reduces over several atoms send fewer bytes than in
+        # sequence, so those moves take every group.
         for i, stack in enumerate(stacks):
+            if stack:
+                yield AllGather(stack[-1:], i), (with_stack((i, stack[:-1])), partial), cost(Kind.ALL_GATHER, stack[-1:])
             for k in range(1, len(stack) + 1):
                 group, rest = stack[-k:], stack[:-k]
-                yield AllGather(group, i), (with_stack((i, rest)), partial), cost(Kind.ALL_GATHER, group)
                 for j in range(ndim):
                     if j != i and self.fits(j, stacks[j] + group):
                         yield (AllToAll(group, j, i), (with_stack((i, rest), (j, stacks[j] + group)), partial),
                                cost(Kind.ALL_TO_ALL, group))
-        for group in _ordered_subsets(reducible):
-            left = partial - set(group)
-            if list(group) == sorted(group, key=self.all_atoms.index):
-                yield AllReduce(group), (stacks, left), cost(Kind.ALL_REDUCE, group)
+        for k in range(1, len(reducible) + 1):
+            for group in itertools.combinations(reducible, k):
+                yield AllReduce(group), (stacks, partial - set(group)), cost(Kind.ALL_REDUCE, group)
+        for a in reducible:
             for j in range(ndim):
-                if self.fits(j, stacks[j] + group):
-                    yield ReduceScatter(group, j), (with_stack((j, stacks[j] + group)), left), cost(Kind.REDUCE_SCATTER, group)
-        for group in _ordered_subsets(replicated):
+                if self.fits(j, stacks[j] + (a,)):
+                    yield ReduceScatter((a,), j), (with_stack((j, stacks[j] + (a,))), partial - {a}), cost(Kind.REDUCE_SCATTER, (a,))
+        for a in replicated:
             for j in range(ndim):
-                if self.fits(j, stacks[j] + group):
-                    yield LocalSlice(group, j), (with_stack((j, stacks[j] + group)), partial), 0
-        # A permute reaches every state with the same pending sums and the same block counts.
-        for other in self._same_blocks(state):
-            if other != stacks:
-                yield _PERMUTE, (other, partial), L * self.itemsize
+                if self.fits(j, stacks[j] + (a,)):
+                    yield LocalSlice((a,), j), (with_stack((j, stacks[j] + (a,))), partial), 0
+        # A permute reaches every state with the same pending sums and the same block counts,
+        # each at the same cost. The first state of such a class that the search settles is its
+        # cheapest, so only that one needs the class's permute moves.
+        key = (tuple(self.count(s) for s in stacks), partial)
+        if key not in self._expanded:
+            self._expanded.add(key)
+            for other in self._same_blocks(key):
+                if other != stacks:
+                    yield _PERMUTE, (other, partial), L * self.itemsize
 
-    def _same_blocks(self, state: _State):
-        stacks, partial = state
-        counts = tuple(self.atoms.count(s) for s in stacks)
-        key = (counts, partial)
+    def _same_blocks(self, key):
+        counts, partial = key
         if key not in self._classes:
             free = [a for a in self.all_atoms if a not in partial]
             out = []
@@ -189,7 +222,7 @@ class _Search:
                     out.append(tuple(acc))
                     return
                 for stack in _ordered_subsets(avail, include_empty=True):
-                    if self.atoms.count(stack) == counts[d]:
+                    if self.count(stack) == counts[d]:
                         fill(d + 1, [a for a in avail if a not in stack], acc + [stack])
 
             fill(0, free, [])
@@ -231,6 +264,21 @@ def _search(start: _State, goal: _State, search: _Search) -> list[tuple[Step, _S
                 prev[nxt] = (step, state)
                 heapq.heappush(heap, (c, next(tie), nxt))
     raise AssertionError("no redistribution plan found")  # unreachable: gather-all then slice always works
+
+
+def _merge(path: list[tuple[Step, _State]]) -> list[tuple[Step, _State]]:
+    """Join consecutive gathers (or slices, or reduce-scatters) of one dim into one step."""
+    out: list[tuple[Step, _State]] = []
+    for step, state in path:
+        if out:
+            last, _ = out[-1]
+            if type(last) is type(step) and isinstance(step, (AllGather, LocalSlice, ReduceScatter)) and last.dim == step.dim:
+                # A gather peels atoms off the end of the stack, so the later one is more major.
+                axes = step.axes + last.axes if isinstance(step, AllGather) else last.axes + step.axes
+                out[-1] = (type(step)(axes, step.dim), state)
+                continue
+        out.append((step, state))
+    return out
 
 
 # -- writing the plan back on whole axes where possible -------------------------------------------
@@ -340,10 +388,11 @@ def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> Pl
             f"axes (or start from a layout that is partial over them)."
         )
     mesh, ndim = src.mesh, len(shape)
-    atoms = _Atoms.of(mesh)
+    involved = set(src.spec.axes) | set(src.partial) | set(dst.spec.axes) | set(dst.partial)
+    atoms = _Atoms.of(mesh, involved)
     start, goal = _state_of(src, ndim, atoms), _state_of(dst, ndim, atoms)
     search = _Search(atoms, shape, itemsize, start, goal)
-    path = _search(start, goal, search) if start != goal else []
+    path = _merge(_search(start, goal, search)) if start != goal else []
 
     split = _split_axes(path, start, atoms)
     plan_mesh = mesh.refine({a: atoms.factors[a] for a in split}) if split else mesh

@@ -1,0 +1,512 @@
+"""parlay's redistribution plans against XLA's, in bytes the busiest device sends.
+
+For each pair of layouts, XLA (GSPMD / Shardy on 8 host CPU devices) compiles an identity
+function whose input and output shardings are the two layouts; the collectives in the optimized
+HLO are costed with parlay's own cost model (``parlay.core.collective_bytes``, ring algorithms),
+so the two numbers are like for like. parlay's number is
+``plan_redistribute(src, dst, shape, itemsize=4).bytes_per_device``.
+
+    python benchmarks/redistribute_vs_xla.py                 # the fixed table
+    python benchmarks/redistribute_vs_xla.py --random 50 --seed 1
+    python benchmarks/redistribute_vs_xla.py --markdown      # a GitHub table for the README
+
+Exits with status 1 when parlay sends more than XLA on any pair.
+"""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = _FLAG
+elif "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"] + " " + _FLAG
+if __name__ == "__main__":
+    # XLA warns "Involuntary full rematerialization" where it replicates to reshard; the table
+    # shows those bytes anyway, so as a script keep stderr quiet unless a log level is chosen.
+    # (Read when jaxlib loads, hence here; importers keep their own setting.)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse
+import math
+import random
+import re
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Iterable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from parlay.backends.jax import lower_layout, lower_mesh
+from parlay.core import Kind, Layout, Mesh, P, collective_bytes, plan_redistribute
+
+__all__ = [
+    "Pair", "Row", "Collective", "MESHES", "TABLE", "xla_bytes", "xla_hlo", "parse_collectives",
+    "busiest_device_bytes",
+    "random_pairs", "compare", "summarize", "markdown_table", "main",
+]
+
+ITEMSIZE = 4  # float32 on both sides
+
+MESHES = (Mesh(dp=8), Mesh(dp=2, tp=4), Mesh(dp=4, tp=2), Mesh(dp=2, tp=2, sp=2))
+
+
+class Pair(NamedTuple):
+    mesh: Mesh
+    shape: tuple[int, ...]
+    src: P
+    dst: P
+
+
+# -- the fixed table -------------------------------------------------------------------------------
+
+def _table() -> tuple[Pair, ...]:
+    m8, m24, m42, m222 = MESHES
+    s2, s3 = (64, 128), (16, 32, 64)
+    return (
+        # Mesh(dp=8)
+        Pair(m8, s2, P("dp"), P()),                                      # shard -> replicate
+        Pair(m8, s2, P(), P("dp")),                                      # replicate -> shard
+        Pair(m8, s2, P("dp"), P(None, "dp")),                            # dim 0 -> dim 1
+        Pair(m8, s2, P(None, "dp"), P("dp")),                            # dim 1 -> dim 0
+        Pair(m8, s3, P(None, "dp"), P(None, None, "dp")),                # dim 1 -> dim 2, 3-D
+        Pair(m8, s3, P("dp"), P()),                                      # shard -> replicate, 3-D
+        # Mesh(dp=2, tp=4)
+        Pair(m24, (8, 16), P("dp", "tp"), P(None, "dp")),                # the issue's example
+        Pair(m24, s2, P("dp", "tp"), P()),                               # shard -> replicate
+        Pair(m24, s2, P(), P("dp", "tp")),                               # replicate -> shard
+        Pair(m24, s2, P(("dp", "tp")), P(("tp", "dp"))),                 # multi-axis order change
+        Pair(m24, s2, P(("dp", "tp")), P()),                             # multi-axis -> replicate
+        Pair(m24, s2, P("tp"), P(None, "tp")),                           # dim 0 -> dim 1, same axis
+        Pair(m24, s2, P(("dp", "tp")), P("dp", "tp")),                   # move tp dim 0 -> dim 1
+        Pair(m24, s2, P("dp", "tp"), P("tp", "dp")),                     # swap two axes
+        Pair(m24, s2, P("dp"), P("dp", "tp")),                           # replicate -> shard on tp
+        Pair(m24, s3, P("dp", "tp"), P(None, "tp", "dp")),               # 3-D, two axes move
+        Pair(m24, s3, P(None, ("dp", "tp")), P(None, ("tp", "dp"))),     # 3-D, order change
+        # Mesh(dp=4, tp=2)
+        Pair(m42, s2, P("dp", "tp"), P("tp", "dp")),                     # swap two axes
+        Pair(m42, s2, P(("dp", "tp")), P(("tp", "dp"))),                 # multi-axis order change
+        Pair(m42, s2, P(("dp", "tp"), None), P(None, ("dp", "tp"))),     # multi-axis dim 0 -> dim 1
+        Pair(m42, s2, P("dp"), P()),                                     # shard -> replicate
+        Pair(m42, s2, P(None, ("tp", "dp")), P("tp", "dp")),             # move dp dim 1 -> dim 0
+        Pair(m42, s3, P("dp", "tp"), P(None, "dp", "tp")),               # 3-D shift
+        # Mesh(dp=2, tp=2, sp=2)
+        Pair(m222, s3, P("dp", "tp", "sp"), P()),                        # shard -> replicate
+        Pair(m222, s3, P(), P("dp", "tp", "sp")),                        # replicate -> shard
+        Pair(m222, s3, P("dp", "tp", "sp"), P("sp", "dp", "tp")),        # rotate three axes
+        Pair(m222, s3, P(("dp", "tp"), "sp"), P(("tp", "dp"), "sp")),    # multi-axis order change
+        Pair(m222, s3, P("dp", "tp"), P("tp", "dp")),                    # swap two axes
+        Pair(m222, s3, P(("dp", "tp", "sp")), P(None, ("sp", "tp", "dp"))),  # all axes move, reversed
+        Pair(m222, s2, P(("dp", "sp"), "tp"), P("dp", ("tp", "sp"))),    # move sp dim 0 -> dim 1
+        Pair(m222, s2, P("dp", "tp"), P(("dp", "tp"))),                  # move tp dim 1 -> dim 0
+    )
+
+
+TABLE = _table()
+
+
+# -- random pairs ----------------------------------------------------------------------------------
+
+def _random_spec(rng: random.Random, mesh: Mesh, ndim: int) -> P:
+    dims: list[list[str]] = [[] for _ in range(ndim)]
+    axes = list(mesh.axis_names)
+    rng.shuffle(axes)  # the order axes land in a dim: random major-to-minor order
+    for a in axes:
+        d = rng.randrange(ndim + 1)  # ndim: the axis is replicated
+        if d < ndim:
+            dims[d].append(a)
+    return P(*(None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims))
+
+
+def random_pairs(n: int, seed: int = 0) -> list[Pair]:
+    """``n`` random non-partial pairs: a mesh of ``MESHES``, 2 or 3 dims, every dim a multiple of
+    8 (so every layout on an 8-device mesh divides it), each axis used at most once per spec."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        mesh = rng.choice(MESHES)
+        ndim = rng.choice((2, 3))
+        shape = tuple(rng.choice((8, 16, 32, 64)) for _ in range(ndim))
+        src, dst = _random_spec(rng, mesh, ndim), _random_spec(rng, mesh, ndim)
+        if Layout(mesh, src) == Layout(mesh, dst):
+            continue
+        out.append(Pair(mesh, shape, src, dst))
+    return out
+
+
+# -- HLO parsing -----------------------------------------------------------------------------------
+
+_KINDS = {
+    "all-gather": Kind.ALL_GATHER,
+    "all-reduce": Kind.ALL_REDUCE,
+    "reduce-scatter": Kind.REDUCE_SCATTER,
+    "all-to-all": Kind.ALL_TO_ALL,
+    "collective-permute": Kind.PERMUTE,
+}
+# Collective opcodes this benchmark cannot cost: seeing one is an error, not a silent zero.
+_UNSUPPORTED = ("ragged-all-to-all", "collective-broadcast")
+
+_ITEMSIZE = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def elems(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+
+def _parse_shape(text: str, i: int = 0):
+    """Parse an HLO shape at ``text[i:]``: a ``_Leaf`` or a list (tuple). Returns (shape, end)."""
+    while text[i] == " ":
+        i += 1
+    if text[i] == "(":
+        items, i = [], i + 1
+        while True:
+            while text[i] in " ,":
+                i += 1
+            if text.startswith("/*", i):  # /*index=5*/
+                i = text.index("*/", i) + 2
+                continue
+            if text[i] == ")":
+                return items, i + 1
+            item, i = _parse_shape(text, i)
+            items.append(item)
+    m = re.compile(r"(\w+)\[([^\]]*)\]").match(text, i)
+    if not m:
+        raise ValueError(f"cannot parse an HLO shape at {text[i:i + 60]!r}")
+    dims = tuple(int(re.sub(r"[^\d]", "", d)) for d in m.group(2).split(",") if d.strip())
+    i = m.end()
+    if i < len(text) and text[i] == "{":  # layout, e.g. {1,0} or {1,0:T(8,128)}
+        depth = 0
+        while True:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+            if depth == 0:
+                break
+    return _Leaf(m.group(1), dims), i
+
+
+def _leaves(shape) -> list[_Leaf]:
+    return [shape] if isinstance(shape, _Leaf) else [x for s in shape for x in _leaves(s)]
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*(?P<op>[a-z][\w\-]*)\(")
+
+
+def _split_args(text: str, i: int) -> tuple[list[str], int]:
+    """The top-level comma-separated operands of ``op(...)`` starting at ``text[i] == '('``."""
+    depth, start, args = 0, i + 1, []
+    for j in range(i, len(text)):
+        c = text[j]
+        if c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+            if depth == 0:
+                a = text[start:j].strip()
+                if a:
+                    args.append(a)
+                return args, j + 1
+        elif c == "," and depth == 1:
+            args.append(text[start:j].strip())
+            start = j + 1
+    raise ValueError(f"unbalanced operands in {text[i:i + 80]!r}")
+
+
+def _group_size(attrs: str, num_devices: int) -> tuple[int, tuple[tuple[int, ...], ...] | None]:
+    """Group size from ``replica_groups``; also the explicit groups when they are listed."""
+    m = re.search(r"replica_groups=", attrs)
+    if not m:
+        return num_devices, None
+    rest = attrs[m.end():]
+    if rest.startswith("mesh["):  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'} (or 'axis_0':(1)2)
+        mm = re.match(r"mesh\[([^\]]*)\][^{]*\{([^}]*)\}", rest)
+        if not mm:
+            raise ValueError(f"cannot parse replica_groups {rest[:80]!r}")
+        sizes = {k: int(v) for k, v in re.findall(r"'?([\w.]+)'?\s*=\s*(\d+)", mm.group(1))}
+        n = 1
+        for ax in (a.strip() for a in mm.group(2).split(",") if a.strip()):
+            sub = re.match(r"'?([\w.]+)'?\s*:\s*\((\d+)\)\s*(\d+)$", ax)
+            n *= int(sub.group(3)) if sub else sizes[ax.strip("'")]
+        return n, None
+    if rest.startswith("["):  # iota: [groups,size]<=[8] or [4,2]<=[2,2,2]T(0,2,1)
+        mm = re.match(r"\[([\d,]+)\]<=", rest)
+        if not mm:
+            raise ValueError(f"cannot parse replica_groups {rest[:80]!r}")
+        return int(mm.group(1).split(",")[-1]), None
+    if rest.startswith("{"):  # explicit {{0,1},{2,3}} or {} (all devices in one group)
+        _, end = _split_args(rest.replace("{", "(").replace("}", ")"), 0)
+        body = rest[1:end - 1].strip()
+        if not body:
+            return num_devices, None
+        groups = tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in re.findall(r"\{([^{}]*)\}", body))
+        sizes = {len(g) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"replica groups of different sizes: {groups}")
+        return sizes.pop(), groups
+    raise ValueError(f"cannot parse replica_groups {rest[:80]!r}")
+
+
+@dataclass
+class Collective:
+    """One collective instruction of the optimized HLO, costed with parlay's model."""
+
+    name: str
+    opcode: str  # as printed, e.g. all-gather-start
+    kind: Kind
+    group_size: int  # for permutes: how many (source, target) pairs move data
+    operand_elems: tuple[int, ...]  # per operand, inferred from the result shape
+    operand_elems_by_name: tuple[int, ...] | None  # per operand, from the operands' own shapes
+    itemsize: int
+    per_device: dict[int, int] = field(default_factory=dict)  # bytes each device sends
+
+    @property
+    def bytes(self) -> int:
+        """What the busiest device sends in this instruction."""
+        return max(self.per_device.values(), default=0)
+
+    def describe(self) -> str:
+        if self.kind is Kind.PERMUTE:
+            return f"{self.opcode}({self.group_size} pairs)"
+        return f"{self.opcode}(n={self.group_size})"
+
+
+def _operand_elems(kind: Kind, opcode: str, result, n: int, attrs: str) -> tuple[list[int], int]:
+    """Infer each operand's element count from the result shape; also the item size."""
+    start = opcode.endswith("-start")
+    if kind is Kind.ALL_GATHER:
+        # all-gather-start returns (operand(s), result(s)); the result is n x the operand.
+        res = result[1] if start else result
+        leaves = _leaves(res)
+        dm = re.search(r"dimensions=\{(\d+)\}", attrs)
+        if dm:
+            d = int(dm.group(1))
+            for leaf in leaves:
+                if leaf.dims[d] % n:
+                    raise ValueError(f"all-gather result {leaf} not divisible by {n} along dim {d}")
+        return [leaf.elems // n for leaf in leaves], leaves[0].itemsize
+    if kind is Kind.REDUCE_SCATTER:
+        leaves = _leaves(result[1] if start else result)
+        return [leaf.elems * n for leaf in leaves], leaves[0].itemsize
+    if kind is Kind.PERMUTE and start:
+        # collective-permute-start returns (operand(s), result(s), context scalars...)
+        leaves = _leaves(result[0])
+        return [leaf.elems for leaf in leaves], leaves[0].itemsize
+    if start and kind is Kind.ALL_TO_ALL:
+        leaves = _leaves(result[1])
+        return [leaf.elems for leaf in leaves], leaves[0].itemsize
+    leaves = _leaves(result)  # all-reduce(-start), all-to-all, collective-permute: same size
+    return [leaf.elems for leaf in leaves], leaves[0].itemsize
+
+
+def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
+    """Every collective instruction in ``hlo`` (``-done`` halves skipped), costed per device."""
+    shapes: dict[str, object] = {}
+    found = []
+    for line in hlo.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        try:
+            shape, i = _parse_shape(line, m.end())
+        except (ValueError, IndexError):
+            continue  # not an instruction line (e.g. a computation header)
+        name = m.group("name")
+        shapes[name] = shape
+        om = _OPCODE.match(line, i)
+        if not om:
+            continue
+        op = om.group("op")
+        if op in _UNSUPPORTED:
+            raise ValueError(f"the benchmark cannot cost {op}: {line.strip()[:200]}")
+        base = op[: -len("-start")] if op.endswith("-start") else op
+        if base not in _KINDS:
+            continue
+        args, end = _split_args(line, om.end() - 1)
+        found.append((name, op, _KINDS[base], shape, args, line[end:]))
+
+    out = []
+    for name, op, kind, shape, args, attrs in found:
+        by_name = None
+        arg_names = [re.sub(r"/\*.*?\*/", "", a).split()[-1].lstrip("%") for a in args]
+        if all(a in shapes for a in arg_names):
+            by_name = tuple(leaf.elems for a in arg_names for leaf in _leaves(shapes[a]))
+        per_device: dict[int, int] = {}
+        if kind is Kind.PERMUTE:
+            pm = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs) or re.search(r"source_target_pairs=\{\}", attrs)
+            pairs = [(int(s), int(t)) for s, t in re.findall(r"\{(\d+),(\d+)", pm.group(0))] if pm else []
+            elems, itemsize = _operand_elems(kind, op, shape, 1, attrs)
+            moving = [(s, t) for s, t in pairs if s != t]
+            for s, _ in moving:  # each moving pair sends the operand(s) once from its source
+                per_device[s] = per_device.get(s, 0) + sum(collective_bytes(kind, 2, e, itemsize) for e in elems)
+            n = len(moving)
+        else:
+            n, groups = _group_size(attrs, num_devices)
+            elems, itemsize = _operand_elems(kind, op, shape, n, attrs)
+            if kind is Kind.ALL_TO_ALL and len(elems) > 1:
+                # tuple all-to-all: operand k is the piece for group member k; one buffer in all
+                sent = collective_bytes(kind, n, sum(elems), itemsize)
+            else:
+                sent = sum(collective_bytes(kind, n, e, itemsize) for e in elems)
+            members = sorted({d for g in groups for d in g}) if groups else range(num_devices)
+            per_device = {d: sent for d in members} if n > 1 else {}
+        out.append(Collective(name, op, kind, n, tuple(elems), by_name, itemsize, per_device))
+    return out
+
+
+# -- XLA's side ------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _jax_mesh(mesh: Mesh):
+    return lower_mesh(mesh)
+
+
+def xla_hlo(src: Layout, dst: Layout, shape: Sequence[int]) -> str:
+    """The optimized HLO XLA compiles for an identity from ``src``'s sharding to ``dst``'s."""
+    jm = _jax_mesh(src.mesh)
+    compiled = jax.jit(
+        lambda x: x, in_shardings=lower_layout(src, jm), out_shardings=lower_layout(dst, jm)
+    ).lower(jax.ShapeDtypeStruct(tuple(shape), np.float32)).compile()
+    return compiled.as_text()
+
+
+def xla_bytes(src: Layout, dst: Layout, shape: Sequence[int]) -> tuple[int, list[tuple[str, int, int]]]:
+    """(bytes the busiest device sends over XLA's whole program, [(kind, group size, bytes)])."""
+    colls = parse_collectives(xla_hlo(src, dst, shape), src.mesh.size)
+    return busiest_device_bytes(colls), [(c.opcode, c.group_size, c.bytes) for c in colls]
+
+
+def busiest_device_bytes(colls: Iterable[Collective]) -> int:
+    """Sum each device's bytes over the program's collectives; the largest sum."""
+    totals: dict[int, int] = {}
+    for c in colls:
+        for d, b in c.per_device.items():
+            totals[d] = totals.get(d, 0) + b
+    return max(totals.values(), default=0)
+
+
+# -- the comparison --------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    pair: Pair
+    parlay_bytes: int
+    xla_bytes: int
+    parlay_steps: list[str]
+    xla_collectives: list[tuple[str, int, int]]
+
+    @property
+    def ratio(self) -> float:
+        if self.xla_bytes == 0:
+            return 1.0 if self.parlay_bytes == 0 else math.inf
+        return self.parlay_bytes / self.xla_bytes
+
+    def cells(self) -> list[str]:
+        p = self.pair
+        xla = "; ".join(
+            (f"{k}({n} pairs)" if k.startswith("collective-permute") else f"{k}(n={n})")
+            for k, n, _ in self.xla_collectives
+        )
+        return [
+            repr(p.mesh).removeprefix("Mesh(").removesuffix(")"), "x".join(map(str, p.shape)), str(p.src), str(p.dst),
+            str(self.parlay_bytes), str(self.xla_bytes), f"{self.ratio:.2f}",
+            "; ".join(self.parlay_steps) or "-", xla or "-",
+        ]
+
+
+COLUMNS = ["mesh", "shape", "src", "dst", "parlay B", "XLA B", "parlay/XLA", "parlay steps", "XLA collectives"]
+
+
+def compare(pairs: Iterable[Pair]) -> list[Row]:
+    rows = []
+    for pair in pairs:
+        src, dst = Layout(pair.mesh, pair.src), Layout(pair.mesh, pair.dst)
+        plan = plan_redistribute(src, dst, pair.shape, itemsize=ITEMSIZE)
+        xb, colls = xla_bytes(src, dst, pair.shape)
+        rows.append(Row(pair, plan.bytes_per_device, xb, [str(s) for s in plan.steps], colls))
+    return rows
+
+
+def summarize(rows: Sequence[Row]) -> tuple[str, list[Row]]:
+    """The summary line, and the rows where parlay sends more than XLA."""
+    less = sum(r.parlay_bytes < r.xla_bytes for r in rows)
+    equal = sum(r.parlay_bytes == r.xla_bytes for r in rows)
+    worse = [r for r in rows if r.parlay_bytes > r.xla_bytes]
+    both = [r.ratio for r in rows if r.parlay_bytes and r.xla_bytes]
+    geo = math.exp(sum(map(math.log, both)) / len(both)) if both else float("nan")
+    line = (
+        f"{len(rows)} pairs: parlay < XLA on {less}, == on {equal}, > on {len(worse)}; "
+        f"geometric-mean parlay/XLA {geo:.3f} (over the {len(both)} pairs where both send bytes)"
+    )
+    return line, worse
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    esc = lambda s: s.replace("|", "\\|")
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in r.cells()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _rich_table(rows: Sequence[Row]):
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="parlay vs XLA: bytes the busiest device sends (float32, 8 CPU devices)")
+    for c in COLUMNS:
+        table.add_column(c, justify="right" if c in ("parlay B", "XLA B", "parlay/XLA") else "left",
+                         overflow="fold")
+    for r in rows:
+        cells = r.cells()
+        style = "red" if r.parlay_bytes > r.xla_bytes else ("green" if r.parlay_bytes < r.xla_bytes else None)
+        table.add_row(*(Text(c) for c in cells), style=style)  # Text: "[dp]" is not markup
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--random", type=int, default=0, metavar="N", help="add N random non-partial pairs")
+    ap.add_argument("--seed", type=int, default=0, help="seed for --random")
+    ap.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
+    args = ap.parse_args(argv)
+    if len(jax.devices()) < 8:
+        print(f"needs 8 devices, JAX sees {len(jax.devices())}; set XLA_FLAGS={_FLAG}", file=sys.stderr)
+        return 2
+
+    pairs = list(TABLE) + random_pairs(args.random, args.seed)
+    rows = compare(pairs)
+    if args.markdown:
+        print(markdown_table(rows))
+    else:
+        from rich.console import Console
+
+        Console(width=max(200, Console().width)).print(_rich_table(rows))
+    line, worse = summarize(rows)
+    print(line)
+    if worse:
+        print("parlay sends more than XLA on:")
+        for r in worse:
+            p = r.pair
+            print(f"  {p.mesh} shape {p.shape} {p.src} -> {p.dst}: parlay {r.parlay_bytes} B "
+                  f"({'; '.join(r.parlay_steps)}), XLA {r.xla_bytes} B ({r.xla_collectives})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
