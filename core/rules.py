@@ -28,7 +28,7 @@ class RuleError(ValueError):
 
 
 def _axes_of(value: object, name: str) -> tuple[str, ...]:
-    if value is None:
+    if value is None or value == ():
         return ()
     if isinstance(value, str):
         return (value,)
@@ -67,6 +67,10 @@ class Rules:
 
     def candidates(self, name: str | None) -> tuple[tuple[str, ...], ...]:
         return tuple(axes for n, axes in self.rules if n == name) if name is not None else ()
+
+    def candidates_axes(self, name: str) -> tuple[str, ...]:
+        """Every mesh axis some rule for ``name`` uses."""
+        return tuple(dict.fromkeys(a for axes in self.candidates(name) for a in axes))
 
     @property
     def axes(self) -> tuple[str, ...]:

@@ -1,0 +1,148 @@
+"""Training steps on JAX: the single-device reference and GSPMD mode (jit with shardings).
+
+GSPMD mode keeps global arrays: parameters, gradients and optimizer states get the strategy's
+layouts as shardings, activations get ``with_sharding_constraint`` at the model's constraint
+points, and XLA chooses the collectives.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from ...core import Layout, Mesh
+from ...core.model import GPT, TOKENS
+from ...core.strategies import Strategy, get_strategy
+from .mesh import lower_layout, lower_mesh
+from .ops import JaxOps
+
+__all__ = ["Mode", "OptimizerConfig", "TrainStep", "make_optimizer"]
+
+
+class Mode(enum.Enum):
+    SINGLE = "single"  # one device, no sharding: the reference
+    GSPMD = "gspmd"  # jit + NamedSharding + with_sharding_constraint
+    EXPLICIT = "explicit"  # shard_map + core plans executed with lax collectives
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip: float = 1.0
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip),
+        optax.adamw(cfg.lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+    )
+
+
+class TrainStep:
+    """``state = step.init(params)``; ``state, loss = step(state, tokens, targets)``;
+    ``loss, grads = step.loss_and_grads(state, tokens, targets)`` (grads as numpy, global)."""
+
+    def __init__(self, model: GPT, *, strategy: str | Strategy | None = None, mesh: Mesh | None = None,
+                 mode: Mode | str = Mode.GSPMD, optimizer: OptimizerConfig = OptimizerConfig(),
+                 batch: int | None = None, devices=None):
+        self.model, self.mode = model, Mode(mode)
+        self.tx = make_optimizer(optimizer)
+        if self.mode is Mode.SINGLE:
+            self.strategy = self.mesh = self.jax_mesh = None
+            self.device = (devices or jax.devices())[0]
+        else:
+            if strategy is None or mesh is None:
+                raise ValueError(f"mode {self.mode.value!r} needs a strategy and a mesh.")
+            if self.mode is Mode.EXPLICIT:
+                raise ValueError("explicit (shard_map) mode is not available yet; use mode='gspmd'.")
+            self.strategy, self.mesh = get_strategy(strategy), mesh
+            self.strategy.check(mesh, model.config, batch=batch)
+            self.jax_mesh = lower_mesh(mesh, devices, axis_type=AxisType.Auto)
+            dims, shapes = model.param_dims(), model.param_shapes()
+            self.layouts = {role: self.strategy.layouts(role, dims, mesh, shapes)
+                            for role in ("params", "compute", "grads", "optimizer")}
+        self._step = jax.jit(self._train_step, donate_argnums=0)
+        self._grads = jax.jit(self._loss_and_grads)
+
+    # -- shardings -------------------------------------------------------------------------------
+    def _sharding(self, layout: Layout) -> NamedSharding:
+        return lower_layout(layout, self.jax_mesh)
+
+    def _activation(self, x, dims):
+        spec = self.strategy.rules("activations").resolve(dims, self.mesh, name=f"activation {tuple(dims)}")
+        layout = Layout(self.mesh, spec)
+        layout.check(x.shape)
+        return jax.lax.with_sharding_constraint(x, self._sharding(layout))
+
+    def _ops(self) -> JaxOps:
+        if self.mode is Mode.SINGLE:
+            return JaxOps()
+        compute = lambda x, dims: jax.lax.with_sharding_constraint(
+            x, self._sharding(Layout(self.mesh, self.strategy.rules("compute").resolve(dims, self.mesh))))
+        return JaxOps(constrain=self._activation, param=compute)
+
+    def _place(self, tree: Mapping[str, Any], role: str):
+        if self.mode is Mode.SINGLE:
+            return {k: jax.device_put(np.asarray(v), self.device) for k, v in tree.items()}
+        return {k: jax.device_put(np.asarray(v), self._sharding(self.layouts[role][k])) for k, v in tree.items()}
+
+    def _place_batch(self, x):
+        x = np.asarray(x)
+        if self.mode is Mode.SINGLE:
+            return jax.device_put(x, self.device)
+        spec = self.strategy.rules("activations").resolve(TOKENS, self.mesh)
+        return jax.device_put(x, self._sharding(Layout(self.mesh, spec)))
+
+    # -- the step ----------------------------------------------------------------------------------
+    def init(self, params: Mapping[str, np.ndarray]):
+        p = self._place(params, "params")
+        opt = jax.jit(self.tx.init)(p)
+        if self.mode is not Mode.SINGLE:
+            opt = jax.tree_util.tree_map_with_path(self._place_opt_leaf, opt)
+        return {"params": p, "opt": opt}
+
+    def _place_opt_leaf(self, path, leaf):
+        name = getattr(path[-1], "key", None)
+        if isinstance(name, str) and name in self.layouts["optimizer"] and leaf.ndim:
+            return jax.device_put(leaf, self._sharding(self.layouts["optimizer"][name]))
+        return jax.device_put(leaf, NamedSharding(self.jax_mesh, PartitionSpec()))
+
+    def _loss(self, params, tokens, targets):
+        return self.model.loss(self._ops(), params, tokens, targets)
+
+    def _loss_and_grads(self, params, tokens, targets):
+        loss, grads = jax.value_and_grad(self._loss)(params, tokens, targets)
+        if self.mode is Mode.GSPMD:
+            grads = {k: jax.lax.with_sharding_constraint(g, self._sharding(self.layouts["grads"][k]))
+                     for k, g in grads.items()}
+        return loss, grads
+
+    def _train_step(self, state, tokens, targets):
+        loss, grads = self._loss_and_grads(state["params"], tokens, targets)
+        updates, opt = self.tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        if self.mode is Mode.GSPMD:
+            params = {k: jax.lax.with_sharding_constraint(v, self._sharding(self.layouts["params"][k]))
+                      for k, v in params.items()}
+        return {"params": params, "opt": opt}, loss
+
+    def __call__(self, state, tokens, targets):
+        return self._step(state, self._place_batch(tokens), self._place_batch(targets))
+
+    def loss_and_grads(self, state, tokens, targets) -> tuple[float, dict[str, np.ndarray]]:
+        loss, grads = self._grads(state["params"], self._place_batch(tokens), self._place_batch(targets))
+        return float(loss), {k: np.asarray(v) for k, v in grads.items()}
+
+    def params(self, state) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in state["params"].items()}
