@@ -15,7 +15,8 @@ from .core import Layout, Mesh, P, Plan, plan_redistribute
 
 __all__ = ["main"]
 
-_DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8, "int8": 1}
+_DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float64": 8,
+           "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 
 
 class UsageError(Exception):
@@ -31,7 +32,7 @@ def parse_mesh(text: str) -> Mesh:
     axes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, size = part.partition("=")
-        if not eq or not size.strip().isdigit():
+        if not eq or not (size.strip().isascii() and size.strip().isdigit()):
             raise UsageError(f"--mesh {text!r}: {part!r} is not NAME=SIZE; write e.g. --mesh dp=2,tp=4")
         axes.append((name.strip(), int(size)))
     if not axes:
@@ -41,7 +42,7 @@ def parse_mesh(text: str) -> Mesh:
 
 def parse_shape(text: str) -> tuple[int, ...]:
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts or not all(p.isdigit() for p in parts):
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
         raise UsageError(f"--shape {text!r} is not a list of sizes; write e.g. --shape 8,16")
     return tuple(int(p) for p in parts)
 
@@ -110,7 +111,8 @@ def print_plan(plan: Plan, console: Console) -> None:
     if len(plan.shape) == 1:
         legend = "each cell is a block of dim 0; it lists the ranks that hold it."
     if src.partial or dst.partial:
-        legend += " Σ: those ranks hold addends whose sum is the block (a pending sum)."
+        legend += (" Σ: the block is a pending sum; the ranks that differ along the partial axes hold "
+                   "its addends (ranks that differ only along replicated axes hold the same addend).")
     console.print(legend, style="dim")
 
 

@@ -39,6 +39,8 @@ class EinsumPlan:
 
     @property
     def bytes_per_device(self) -> int:
+        """Bytes the operands' redistributions send, summed over operands (each plan's busiest
+        device; the operands move one after the other)."""
         return sum(p.bytes_per_device for p in self.operand_plans)
 
     def __str__(self) -> str:
@@ -79,6 +81,9 @@ def plan_einsum(equation: str, layouts: Sequence[Layout], shapes: Sequence[Seque
                 itemsize: int = 4) -> EinsumPlan:
     """The cheapest way to run ``numpy.einsum(equation, *operands)`` on operands in ``layouts``."""
     layouts, shapes = tuple(layouts), tuple(normalize_shape(s) for s in shapes)
+    for i, l in enumerate(layouts):
+        if not isinstance(l, Layout):
+            raise TypeError(f"plan_einsum: operand {i}'s layout is {l!r} ({type(l).__name__}), not a parlay.Layout.")
     if len(layouts) != len(shapes):
         raise ValueError(f"plan_einsum: {len(layouts)} layouts but {len(shapes)} shapes; give one shape per operand.")
     return _plan_einsum(equation, layouts, shapes, itemsize)
@@ -113,6 +118,17 @@ def _plan_einsum(equation, layouts, shapes, itemsize) -> EinsumPlan:
                     opts.update(stack[:k] for k in range(len(stack) + 1))
         options[c] = sorted(opts, key=lambda s: (-len(s), s))
 
+    # A letter repeated within one operand (a diagonal, 'ii->i') stays unsharded: one axis
+    # cannot shard two dims of a tensor.
+    repeated = {c for t in terms for c in t if t.count(c) > 1}
+    for c in repeated:
+        options[c] = [()]
+    # The operands' own stacks first: when they already agree, that candidate costs nothing and
+    # the rest are cut off as soon as they cost anything.
+    for c in letters:
+        own = [l.dim_axes(t.index(c)) for t, l in zip(terms, layouts) if c in t]
+        options[c].sort(key=lambda s: (s not in own, -len(s), s))
+
     best = None
     for choice in itertools.product(*(options[c] for c in letters)):
         stacks = dict(zip(letters, choice))
@@ -121,15 +137,17 @@ def _plan_einsum(equation, layouts, shapes, itemsize) -> EinsumPlan:
             continue
         if any(size[c] % mesh.group_size(s) for c, s in stacks.items()):
             continue
+        work = math.prod(size[c] // mesh.group_size(stacks[c]) for c in letters)
         for kept in _partial_choices(layouts, set(used)):
-            targets = tuple(
-                Layout(mesh, P(*(stacks[c] or None for c in t)), kept[i]) for i, t in enumerate(terms)
-            )
-            plans = tuple(plan_redistribute(l, tl, s, itemsize) for l, tl, s in zip(layouts, targets, shapes))
-            work = math.prod(size[c] // mesh.group_size(stacks[c]) for c in letters)
-            key = (sum(p.bytes_per_device for p in plans), work)
-            if best is None or key < best[0]:
-                best = (key, plans, stacks, kept)
+            plans, total = [], 0
+            for i, t in enumerate(terms):
+                target = Layout(mesh, P(*(stacks[c] or None for c in t)), kept[i])
+                plans.append(plan_redistribute(layouts[i], target, shapes[i], itemsize))
+                total += plans[-1].bytes_per_device
+                if best is not None and (total, work) >= best[0]:
+                    break
+            else:
+                best = ((total, work), tuple(plans), stacks, kept)
     _, plans, stacks, kept = best
     summed = [a for c in letters if c not in out for a in stacks[c]]
     pending = set(summed) | {a for k in kept for a in k}

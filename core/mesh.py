@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Mapping
@@ -13,11 +14,11 @@ __all__ = ["Mesh"]
 def _check_axis_name(name: object, *, where: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"{where}: mesh axis names are strings, got {name!r} ({type(name).__name__}).")
-    base, dot, part = name.partition(".")
-    if not base.isidentifier() or (dot and not part.isdigit()):
+    if not name.isidentifier() or name == "None":
         raise ValueError(
-            f"{where}: mesh axis name {name!r} is not an identifier; axis names are letters, digits "
-            f"and underscores (e.g. 'dp', 'tp', 'fsdp'). '.' is reserved for sub-axes such as 'tp.0'."
+            f"{where}: mesh axis name {name!r} is not an identifier (or is 'None'); axis names are "
+            f"letters, digits and underscores (e.g. 'dp', 'tp', 'fsdp'). '.' is reserved for the "
+            f"sub-axes a plan may use, such as 'tp.0'."
         )
     return name
 
@@ -33,8 +34,13 @@ class Mesh:
     axes: tuple[tuple[str, int], ...]
 
     def __init__(self, axes: Mapping[str, int] | Iterable[tuple[str, int]] | None = None, /, **sizes: int):
+        self._build(axes, sizes, sub_axes=False)
+
+    def _build(self, axes, sizes, *, sub_axes: bool) -> None:
         if axes is not None and sizes:
             raise TypeError("Mesh takes either a mapping of axes or keyword sizes, not both.")
+        if axes is not None and not isinstance(axes, (Mapping, list, tuple)):
+            raise TypeError(f"Mesh takes a mapping of axis sizes (Mesh({{'dp': 2}})) or keywords (Mesh(dp=2)), got {axes!r}.")
         items = list(axes.items() if isinstance(axes, Mapping) else (axes if axes is not None else sizes.items()))
         seen: set[str] = set()
         checked = []
@@ -42,11 +48,15 @@ class Mesh:
             if not (isinstance(item, tuple) and len(item) == 2):
                 raise TypeError(f"Mesh axes are (name, size) pairs, got {item!r}.")
             name, size = item
-            _check_axis_name(name, where=f"Mesh({dict(items)!r})")
+            if sub_axes and isinstance(name, str) and name.partition(".")[2].isdigit():
+                pass  # 'tp.0': made by refine() only
+            else:
+                _check_axis_name(name, where=f"Mesh({dict(items)!r})")
             if name in seen:
                 raise ValueError(f"Mesh axis {name!r} is given twice; each axis name appears once.")
-            if isinstance(size, bool) or not isinstance(size, int):
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral):
                 raise TypeError(f"Mesh axis {name!r} has size {size!r}; sizes are positive ints.")
+            size = int(size)
             if size < 1:
                 raise ValueError(f"Mesh axis {name!r} has size {size}; sizes are positive ints (1 or more).")
             seen.add(name)
@@ -90,6 +100,8 @@ class Mesh:
 
     def check_world_size(self, world_size: int) -> None:
         """Raise if this mesh does not cover exactly ``world_size`` ranks."""
+        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
+            raise TypeError(f"world_size={world_size!r}; it is a number of ranks, an int.")
         if world_size != self.size:
             raise ValueError(
                 f"{self} has {self.size} ranks but the world has {world_size}; the product of the "
@@ -100,8 +112,8 @@ class Mesh:
     # -- ranks and coordinates -----------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
         """The coordinates of ``rank``, one per axis."""
-        if not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank} is outside {self} (ranks 0..{self.size - 1}).")
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank!r} is outside {self} (ranks are the ints 0..{self.size - 1}).")
         out = {}
         for name, size in reversed(self.axes):
             rank, out[name] = divmod(rank, size)
@@ -120,6 +132,8 @@ class Mesh:
         return rank
 
     def coord(self, rank: int, name: str) -> int:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank!r} is outside {self} (ranks are the ints 0..{self.size - 1}).")
         return _coord_table(self)[rank][name]
 
     def index_in_group(self, rank: int, names: Iterable[str]) -> int:
@@ -165,13 +179,24 @@ class Mesh:
                 axes.append((name, size))
             else:
                 axes.extend((f"{name}.{i}", p) for i, p in enumerate(parts))
-        return Mesh(axes)
+        out = object.__new__(Mesh)
+        out._build(axes, {}, sub_axes=True)
+        return out
 
     # -- printing ----------------------------------------------------------------------------
     def __repr__(self) -> str:
-        if all(n.isidentifier() for n in self.axis_names):  # sub-axes ('tp.0') are not keywords
-            return "Mesh(" + ", ".join(f"{n}={s}" for n, s in self.axes) + ")"
-        return f"Mesh({dict(self.axes)!r})"
+        # Sub-axes ('tp.0', 'tp.1') print as the refinement that made them, so repr round-trips.
+        whole: dict[str, int] = {}
+        parts: dict[str, list[int]] = {}
+        for n, s in self.axes:
+            base = n.partition(".")[0]
+            whole[base] = whole.get(base, 1) * s
+            if "." in n:
+                parts.setdefault(base, []).append(s)
+        text = "Mesh(" + ", ".join(f"{n}={s}" for n, s in whole.items()) + ")"
+        if parts:
+            text += ".refine({" + ", ".join(f"{b!r}: {tuple(p)!r}" for b, p in parts.items()) + "})"
+        return text
 
     __str__ = __repr__
 

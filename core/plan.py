@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator, Sequence
@@ -26,6 +27,7 @@ from .mesh import Mesh
 from .spec import Layout, P, normalize_shape
 from .steps import (
     AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, ReduceScatter, Step, collective_bytes,
+    collective_cost,
 )
 
 __all__ = ["Plan", "plan_redistribute"]
@@ -36,8 +38,10 @@ class Plan:
     """A redistribution as data: ``steps`` turn ``src`` into ``dst``.
 
     ``mesh`` is the mesh the steps name: ``src.mesh``, or a refinement of it with sub-axes
-    (``tp.0``) when the plan moves part of an axis. ``layouts[i]`` is the layout before
-    ``steps[i]`` (on ``mesh``); ``step_bytes[i]`` what each rank sends in ``steps[i]``.
+    (``tp.0``) when the plan moves part of an axis. ``layouts`` has one entry more than
+    ``steps``: ``layouts[i]`` is the layout before ``steps[i]`` and the last is ``dst`` (all on
+    ``mesh``; a plan with no steps has just ``(src,)``). ``step_bytes[i]`` is what each rank
+    sends in ``steps[i]``.
     """
 
     src: Layout
@@ -66,8 +70,8 @@ class Plan:
         lines = [f"{self.src} -> {self.dst} on {self.src.mesh}, shape {self.shape}, itemsize {self.itemsize}"]
         if self.mesh != self.src.mesh:
             lines.append(f"  steps use sub-axes of {self.mesh}")
-        for step, before, sent in zip(self.steps, self.layouts, self.step_bytes):
-            lines.append(f"  {str(step):<40} {str(before):>18} -> sends {max(sent)} B/device")
+        for step, after, sent in zip(self.steps, self.layouts[1:], self.step_bytes):
+            lines.append(f"  {str(step):<40} -> {str(after):<22} sends {max(sent)} B/device")
         if not self.steps:
             lines.append("  (no steps: the layouts hold the same data)")
         lines.append(f"  total: {self.bytes_per_device} bytes sent by the busiest device")
@@ -76,9 +80,9 @@ class Plan:
 
 # -- atoms ---------------------------------------------------------------------------------------
 
-# The search is exponential in the number of atoms: 6 plans in well under a second, 8 can take a
-# minute. Larger meshes split their axes less finely (and may miss a split XLA would find).
-MAX_ATOMS = 6
+# The search is exponential in the number of atoms: 4 plan in a fraction of a second, 6 can take
+# several seconds. Larger meshes split their axes less finely (and may miss a split XLA would find).
+MAX_ATOMS = 4
 
 def _prime_factors(n: int) -> tuple[int, ...]:
     out, p = [], 2
@@ -108,6 +112,8 @@ class _Atoms:
             # Merge the two most minor factors of the most split axis (ties: the later axis).
             axis = max(split, key=lambda a: (len(split[a]), mesh.axis_names.index(a)))
             f = split[axis]
+            if len(f) == 1:  # every axis is whole already: nothing left to merge
+                break
             f[-2:] = [f[-2] * f[-1]]
         factors, names, size, axis_of = {}, {}, {}, {}
         for axis, n in mesh.axes:
@@ -143,6 +149,7 @@ class _Search:
         # sends data over links the user did not involve, often the slow inter-node ones.
         involved = {a for s in start[0] + goal[0] for a in s} | start[1] | goal[1]
         self.all_atoms = tuple(a for a in atoms.size if a in involved)
+        self.scale = math.prod(atoms.size[a] for a in self.all_atoms)
         self._classes: dict = {}
         self._expanded: set = set()
         self._counts: dict = {}
@@ -165,7 +172,8 @@ class _Search:
         """Yield (step on atoms, next state, bytes one device sends)."""
         stacks, partial = state
         L = self.local_elems(stacks)
-        cost = lambda kind, group: collective_bytes(kind, self.count(group), L, self.itemsize)
+        # Exact costs times self.scale (every group size divides it): integers, fast to add.
+        cost = lambda kind, group: int(collective_cost(kind, self.count(group), L, self.itemsize) * self.scale)
         used = {a for s in stacks for a in s} | partial
         replicated = [a for a in self.all_atoms if a not in used]
         reducible = [a for a in self.all_atoms if a in partial and a not in self.keep_partial]
@@ -209,7 +217,7 @@ class _Search:
             self._expanded.add(key)
             for other in self._same_blocks(key):
                 if other != stacks:
-                    yield _PERMUTE, (other, partial), L * self.itemsize
+                    yield _PERMUTE, (other, partial), L * self.itemsize * self.scale
 
     def _same_blocks(self, key):
         counts, partial = key
@@ -366,9 +374,9 @@ def plan_redistribute(src: Layout, dst: Layout, shape: Sequence[int], itemsize: 
     """The cheapest plan (bytes the busiest device sends, ring algorithms) from ``src`` to ``dst``."""
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_redistribute takes two parlay.Layout, got {type(src).__name__} and {type(dst).__name__}.")
-    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+    if isinstance(itemsize, bool) or not isinstance(itemsize, numbers.Integral) or itemsize < 1:
         raise ValueError(f"itemsize={itemsize!r}; it is the bytes per element, a positive int (4 for float32).")
-    return _plan(src, dst, normalize_shape(shape), itemsize)
+    return _plan(src, dst, normalize_shape(shape), int(itemsize))
 
 
 @lru_cache(maxsize=2048)

@@ -81,6 +81,11 @@ class Rules:
 
     # -- resolving ---------------------------------------------------------------------------
     def _resolve(self, tensor: str, dims: LogicalDims, mesh: Mesh) -> tuple[P | None, list[str]]:
+        if isinstance(dims, str) or not isinstance(dims, (tuple, list)):
+            raise TypeError(
+                f"tensor {tensor!r}: logical dims must be a tuple of names (one per dim), got {dims!r}; "
+                f"for one dim write ({dims!r},)."
+            )
         problems: list[str] = []
         entries: list[tuple[str, ...]] = []
         used: dict[str, int] = {}

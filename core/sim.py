@@ -40,6 +40,9 @@ def scatter(x: np.ndarray, layout: Layout, *, rng: np.random.Generator | int | N
     shards = [np.array(x[s]) for s in slices]
     if not layout.partial:
         return shards
+    if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
+        raise TypeError(f"scatter: a partial layout splits values into addends, which needs a numeric "
+                        f"(integer or floating) array, got dtype {x.dtype}.")
     rng = np.random.default_rng(rng)
     mesh = layout.mesh
     by_block: dict[tuple[int, ...], list[np.ndarray]] = {}
@@ -70,21 +73,31 @@ def resolve_partial(shards: Sequence[np.ndarray], layout: Layout) -> list[np.nda
 
 
 def gather(shards: Sequence[np.ndarray], layout: Layout) -> np.ndarray:
-    """Assemble the global array from per-rank shards (summing pending partials)."""
+    """Assemble the global array from per-rank shards (summing pending partials).
+
+    Ranks holding the same block must hold the same values (after the sums): a replica that
+    differs is an error, not silently dropped.
+    """
     _check_shards(shards, layout, "gather")
     shards = resolve_partial(shards, layout)
     local = shards[0].shape
     shape = tuple(n * layout.shard_count(d) for d, n in enumerate(local))
     out = np.empty(shape, dtype=shards[0].dtype)
+    first: dict[tuple, int] = {}
     for r, s in enumerate(layout.shard_slices(shape)):
         if shards[r].shape != local:
             raise ValueError(f"gather: rank {r} holds shape {shards[r].shape} but rank 0 holds {local}; shards are even.")
+        key = tuple((sl.start, sl.stop) for sl in s)
+        if key in first:
+            if not np.array_equal(shards[r], shards[first[key]]):
+                raise ValueError(
+                    f"gather: ranks {first[key]} and {r} hold the same block of {layout} but different "
+                    f"values; replicas must agree."
+                )
+            continue
+        first[key] = r
         out[s] = shards[r]
     return out
-
-
-def _split(x: np.ndarray, n: int, dim: int) -> list[np.ndarray]:
-    return np.split(x, n, axis=dim)
 
 
 def simulate_step(step: Step, shards: Sequence[np.ndarray], layout: Layout) -> list[np.ndarray]:
@@ -108,14 +121,14 @@ def simulate_step(step: Step, shards: Sequence[np.ndarray], layout: Layout) -> l
         elif isinstance(step, ReduceScatter):
             total = sum((shards[r] for r in group[1:]), shards[group[0]].copy())
             for k, r in enumerate(group):
-                out[r] = _split(total, n, step.dim)[k]
+                out[r] = np.split(total, n, axis=step.dim)[k]
         elif isinstance(step, AllToAll):
-            pieces = [_split(shards[r], n, step.split_dim) for r in group]
+            pieces = [np.split(shards[r], n, axis=step.split_dim) for r in group]
             for k, r in enumerate(group):
                 out[r] = np.concatenate([pieces[src][k] for src in range(n)], axis=step.concat_dim)
         elif isinstance(step, LocalSlice):
             for k, r in enumerate(group):
-                out[r] = _split(shards[r], n, step.dim)[k]
+                out[r] = np.split(shards[r], n, axis=step.dim)[k]
         else:
             raise TypeError(f"simulate_step: {step!r} is not a plan step.")
     return out

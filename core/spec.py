@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterable, Sequence
 
@@ -69,6 +68,8 @@ class P:
     @classmethod
     def parse(cls, text: str) -> "P":
         """Parse ``"dp,tp"``, ``"None,dp"`` or ``"(dp,tp),None"`` (also ``"dp+tp,None"``)."""
+        if not isinstance(text, str):
+            raise TypeError(f"P.parse takes a str such as 'dp,None', got {text!r}.")
         entries: list[Entry] = []
         depth, token = 0, ""
         parts: list[str] = []
@@ -99,7 +100,8 @@ class P:
                 entries.append(None)
                 continue
             for n in names:
-                if not n.isidentifier() or n in ("None", "none"):
+                base, dot, sub = n.partition(".")
+                if not base.isidentifier() or n in ("None", "none") or (dot and not sub.isdigit()):
                     raise ValueError(
                         f"spec {text!r}: {n!r} is not an axis name; write entries like dp, None, "
                         f"(dp,tp) separated by commas."
@@ -151,6 +153,8 @@ class Layout:
     mesh: Mesh
     spec: P
     partial: tuple[str, ...]
+    # How many entries the spec was given with (trailing Nones included), for the rank check.
+    given_len: int = field(default=0, compare=False, hash=False, repr=False)
 
     def __init__(self, mesh: Mesh, spec: P | Sequence[Entry] = P(), partial: str | Iterable[str] = ()):
         if not isinstance(mesh, Mesh):
@@ -160,6 +164,8 @@ class Layout:
                 spec = P(*spec)
             else:
                 raise TypeError(f"Layout spec must be a parlay.P (or a tuple of entries), got {spec!r}.")
+        if partial is None or not isinstance(partial, (str, tuple, list, frozenset, set)):
+            raise TypeError(f"partial={partial!r}; give mesh axis names, e.g. partial='tp' or partial=('dp', 'tp'), or ().")
         part = (partial,) if isinstance(partial, str) else tuple(partial)
         for a in part:
             if not isinstance(a, str):
@@ -186,6 +192,7 @@ class Layout:
                 f"(a reduce-scatter gives the sharded layout)."
             )
         # Trailing Nones say nothing: strip them, so equal layouts compare equal.
+        object.__setattr__(self, "given_len", len(spec.entries))
         entries = list(spec.entries)
         while entries and not entries[-1]:
             entries.pop()
@@ -214,7 +221,10 @@ class Layout:
         return self.mesh.group_size(self.dim_axes(d))
 
     def replace(self, *, spec: P | Sequence[Entry] | None = None, partial: Iterable[str] | None = None) -> "Layout":
-        return Layout(self.mesh, self.spec if spec is None else spec, self.partial if partial is None else partial)
+        out = Layout(self.mesh, self.spec if spec is None else spec, self.partial if partial is None else partial)
+        if spec is None:
+            object.__setattr__(out, "given_len", self.given_len)
+        return out
 
     # -- shapes ------------------------------------------------------------------------------
     def check(self, shape: Sequence[int]) -> tuple[int, ...]:
@@ -248,17 +258,25 @@ class Layout:
 
 def check_layout(layout: Layout, shape: Sequence[int]) -> tuple[int, ...]:
     """The one checker of a layout against a global shape. Lists every problem."""
-    return _check_layout(layout, normalize_shape(shape))
+    shape = normalize_shape(shape)
+    if layout.given_len > len(shape):
+        raise ValueError(
+            f"spec {P(*layout.spec, *([None] * (layout.given_len - len(layout.spec))))!r} has "
+            f"{layout.given_len} entries but the tensor of shape {shape} has {len(shape)} dims; give "
+            f"at most one entry per dim (drop trailing entries)."
+        )
+    return _check_layout(layout, shape)
 
 
 def normalize_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """``shape`` as a tuple of Python ints; checked before any cache (which takes 2.0 for 2)."""
     try:
-        out = tuple(operator.index(n) for n in shape if not isinstance(n, bool))
+        given = tuple(shape)
+        out = tuple(operator.index(n) for n in given if not isinstance(n, bool))
     except TypeError:
-        out = ()
-    if len(out) != len(tuple(shape)) or any(n < 0 for n in out):
-        raise TypeError(f"shape {tuple(shape)!r} must be a tuple of non-negative ints.")
+        given, out = shape, None
+    if out is None or len(out) != len(given) or any(n < 0 for n in out):
+        raise TypeError(f"shape {given!r} must be a tuple of non-negative ints.")
     return out
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import enum
 import math
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
 __all__ = [
     "Kind", "AllGather", "ReduceScatter", "AllReduce", "AllToAll", "LocalSlice", "Permute", "Step",
-    "collective_bytes",
+    "collective_bytes", "collective_cost",
 ]
 
 
@@ -29,26 +30,32 @@ class Kind(enum.Enum):
         return self.value
 
 
-def collective_bytes(kind: Kind, group_size: int, in_elems: int, itemsize: int) -> int:
-    """Bytes one device sends for a collective on ``in_elems`` local input elements.
+def collective_cost(kind: Kind, group_size: int, in_elems: int, itemsize: int) -> Fraction:
+    """Bytes one device sends for a collective on ``in_elems`` local input elements, exactly.
 
     Ring algorithms: all-gather sends its shard n-1 times; reduce-scatter and all-to-all send
-    (n-1)/n of the input; all-reduce is a reduce-scatter plus an all-gather. A permute sends
-    the whole shard once (or nothing). The same function costs XLA's collectives in the
-    benchmark, so the comparison is like for like.
+    (n-1)/n of the input; all-reduce is a reduce-scatter plus an all-gather, 2(n-1)/n of the
+    input. A permute sends the whole shard once (or nothing). Exact fractions, so that a tiny
+    all-reduce is not made to look cheaper in several hops by rounding each one up.
     """
     n = group_size
     if n == 1 or kind is Kind.LOCAL_SLICE:
-        return 0
+        return Fraction(0)
     if kind is Kind.ALL_GATHER:
-        return (n - 1) * in_elems * itemsize
+        return Fraction((n - 1) * in_elems * itemsize)
     if kind in (Kind.REDUCE_SCATTER, Kind.ALL_TO_ALL):
-        return (n - 1) * math.ceil(in_elems / n) * itemsize
+        return Fraction((n - 1) * in_elems * itemsize, n)
     if kind is Kind.ALL_REDUCE:
-        return 2 * (n - 1) * math.ceil(in_elems / n) * itemsize
+        return Fraction(2 * (n - 1) * in_elems * itemsize, n)
     if kind is Kind.PERMUTE:
-        return in_elems * itemsize
+        return Fraction(in_elems * itemsize)
     raise AssertionError(kind)
+
+
+def collective_bytes(kind: Kind, group_size: int, in_elems: int, itemsize: int) -> int:
+    """``collective_cost`` rounded up to whole bytes. The benchmark costs XLA's collectives with
+    the same function, so the comparison is like for like."""
+    return math.ceil(collective_cost(kind, group_size, in_elems, itemsize))
 
 
 def _axes_str(axes: tuple[str, ...]) -> str:

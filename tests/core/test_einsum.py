@@ -93,6 +93,20 @@ def test_simulated_einsum_equals_numpy(case, seed):
     assert plan.out_shape == np.einsum(eq, *ops).shape
 
 
+def test_repeated_letter_is_gathered_not_doubly_sharded():
+    a = rng.integers(-5, 5, (4, 4))
+    plan = run("ii->i", [a], [P("dp")])
+    assert plan.out.spec.entries == ()
+    b = rng.integers(-5, 5, (4, 4, 6))
+    run("iij->j", [b], [P(None, None, "tp")])
+
+
+def test_agreeing_layouts_on_a_large_mesh_move_nothing():
+    m = Mesh(pp=4, dp=8, tp=8)
+    plan = plan_einsum("bhqd,bhkd->bhqk", [Layout(m, P("dp", "tp")), Layout(m, P("dp", "tp"))], [(64, 64, 128, 64)] * 2)
+    assert plan.bytes_per_device == 0 and plan.out == Layout(m, P("dp", "tp"))
+
+
 def test_implicit_output_follows_numpy():
     plan = plan_einsum("ij,jk", [Layout(M, P()), Layout(M, P())], [(2, 4), (4, 6)])
     assert plan.out_shape == (2, 6)
@@ -111,6 +125,11 @@ def test_implicit_output_follows_numpy():
 def test_errors(eq, specs, shapes, err, match):
     with pytest.raises(err, match=match):
         plan_einsum(eq, [Layout(M, s) for s in specs], shapes)
+
+
+def test_not_a_layout():
+    with pytest.raises(TypeError, match=r"operand 0's layout is 'dp' \(str\), not a parlay.Layout"):
+        plan_einsum("i->i", ["dp"], [(2,)])
 
 
 def test_mixed_meshes_error():

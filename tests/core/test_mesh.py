@@ -46,10 +46,16 @@ def test_groups_partition_the_ranks():
         assert all(len(g) == m.group_size(axes) for g in groups)
 
 
+def test_numpy_ints_are_sizes():
+    import numpy as np
+    assert Mesh(dp=np.int64(2)) == Mesh(dp=2)
+
+
 def test_refine_keeps_rank_numbers():
     m = Mesh(dp=2, tp=4)
     f = m.refine({"tp": (2, 2)})
-    assert f == Mesh({"dp": 2, "tp.0": 2, "tp.1": 2})
+    assert f.axes == (("dp", 2), ("tp.0", 2), ("tp.1", 2))
+    assert repr(f) == "Mesh(dp=2, tp=4).refine({'tp': (2, 2)})" and eval(repr(f)) == f
     for r in range(8):
         assert f.coord(r, "tp.0") * 2 + f.coord(r, "tp.1") == m.coord(r, "tp")
 
@@ -60,6 +66,12 @@ def test_refine_keeps_rank_numbers():
     (lambda: Mesh(dp=2.0), TypeError, r"axis 'dp' has size 2.0; sizes are positive ints"),
     (lambda: Mesh([("dp", 2), ("dp", 2)]), ValueError, r"axis 'dp' is given twice"),
     (lambda: Mesh({"d p": 2}), ValueError, r"'d p' is not an identifier"),
+    (lambda: Mesh({"tp.0": 2}), ValueError, r"'tp.0' is not an identifier .* '.' is reserved for the sub-axes"),
+    (lambda: Mesh({"None": 2}), ValueError, r"'None' is not an identifier \(or is 'None'\)"),
+    (lambda: Mesh(5), TypeError, r"Mesh takes a mapping of axis sizes"),
+    (lambda: Mesh(dp=2).check_world_size("2"), TypeError, r"world_size='2'; it is a number of ranks"),
+    (lambda: Mesh(dp=2).coord(-1, "dp"), ValueError, r"rank -1 is outside Mesh\(dp=2\)"),
+    (lambda: Mesh(dp=2).coords(1.5), ValueError, r"rank 1.5 is outside"),
     (lambda: Mesh({1: 2}), TypeError, r"axis names are strings"),
     (lambda: Mesh({"dp": 2}, tp=2), TypeError, "either a mapping of axes or keyword sizes"),
     (lambda: Mesh(dp=2).coords(2), ValueError, r"rank 2 is outside Mesh\(dp=2\)"),

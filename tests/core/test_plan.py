@@ -58,7 +58,7 @@ def test_axis_order_change_is_one_permute():
 def test_issue_example_uses_sub_axes_and_beats_the_naive_plan():
     """(dp,tp) -> (None,dp) on dp=2,tp=4: moving half of tp first is cheaper than gathering tp."""
     plan = plan_redistribute(L(P("dp", "tp")), L(P(None, "dp")), (8, 16))
-    assert plan.mesh == Mesh({"dp": 2, "tp.0": 2, "tp.1": 2})
+    assert plan.mesh == Mesh(dp=2, tp=4).refine({"tp": (2, 2)})
     naive = 3 * 16 * 4 + 1 * 64 * 4 // 2 * 2 // 2  # all-gather tp (192) + all-to-all dp (128)
     assert naive == 320 and plan.bytes_per_device == 256
     assert [type(s) for s in plan.steps] == [Permute, AllGather, AllGather]
@@ -73,6 +73,30 @@ def test_issue_example_uses_sub_axes_and_beats_the_naive_plan():
 def test_errors(src, dst, shape, match):
     with pytest.raises(ValueError, match=match):
         plan_redistribute(src, dst, shape)
+
+
+def test_tiny_all_reduce_is_one_step():
+    """Exact costs: rounding each hop up must not make a scalar all-reduce look cheaper in pieces."""
+    mesh = Mesh(dp=8)
+    plan = plan_redistribute(Layout(mesh, P(), "dp"), Layout(mesh, P()), ())
+    assert plan.steps == (AllReduce(("dp",)),)
+    mesh = Mesh(dp=2, tp=4)
+    assert plan_redistribute(Layout(mesh, P(), "tp"), Layout(mesh, P()), (2,)).steps == (AllReduce(("tp",)),)
+
+
+def test_many_whole_axes():
+    """Seven axes of size 2 (no sub-axes to merge) still plan."""
+    mesh = Mesh(a=2, b=2, c=2, d=2, e=2, f=2, g=2)
+    plan = plan_redistribute(Layout(mesh, P(tuple("abcdefg"))), Layout(mesh, P()), (128,))
+    assert plan.steps == (AllGather(tuple("abcdefg"), 0),)
+
+
+def test_numpy_ints_and_iterators():
+    import numpy as np
+    mesh = Mesh(dp=2)
+    plan = plan_redistribute(Layout(mesh, P("dp")), Layout(mesh, P()), (np.int64(4),), itemsize=np.int64(2))
+    assert plan.bytes_per_device == 4
+    assert Layout(mesh, P("dp")).local_shape(iter([8])) == (4,)
 
 
 def test_bad_arguments():

@@ -67,6 +67,11 @@ def test_resolve_all_checks_shapes_too():
     assert out == {"w": Layout(MESH, P(None, "tp"))}
 
 
+def test_a_bare_string_is_not_a_list_of_dims():
+    with pytest.raises(TypeError, match=r"logical dims must be a tuple of names .* for one dim write \('batch',\)"):
+        TP.resolve("batch", MESH)
+
+
 def test_single_resolve_error():
     with pytest.raises(RuleError, match=r"rules do not fit Mesh\(dp=2, tp=4\) for 1 tensor:\n  - 'w' dim 1"):
         TP.resolve(("heads", "mlp"), MESH, name="w")

@@ -120,13 +120,13 @@ def test_parser_on_synthetic_hlo():
         "ag": 1 * 1024 * 4,
         "ags": 3 * 2048 * 4,
         "rs": 7 * (8192 // 8) * 4,
-        "ar": 2 * 7 * (1024 // 8) * 4 + 2 * 7 * 1 * 4,  # ceil(4 / 8) = 1
+        "ar": 2 * 7 * (1024 // 8) * 4 + 2 * 7 * 4 * 4 // 8,  # exact: 2(n-1)/n of 4 elements
         "cps": 1024 * 4,
         "t": 1 * 512 * 4,
         "a2a": 1 * 512 * 4,
     }
     assert colls[4].per_device == {0: 4096, 1: 4096}  # {2,2} sends nothing
-    others = 4096 + 24576 + 28672 + 7224 + 2048 + 2048
+    others = 4096 + 24576 + 28672 + 7196 + 2048 + 2048
     assert bench.busiest_device_bytes(colls) == others + 4096
 
 
