@@ -20,6 +20,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from ...core import Layout, Mesh
 from ...core.model import GPT, TOKENS
 from ...core.strategies import Strategy, get_strategy
+from .collectives import AtomMesh, CollectiveLog
+from .distributed import fetch, put
+from .explicit import ExplicitOps, Sharded
 from .mesh import lower_layout, lower_mesh
 from .ops import JaxOps
 
@@ -57,6 +60,7 @@ class TrainStep:
                  mode: Mode | str = Mode.GSPMD, optimizer: OptimizerConfig = OptimizerConfig(),
                  batch: int | None = None, devices=None):
         self.model, self.mode = model, Mode(mode)
+        self.log = CollectiveLog()  # explicit mode: the plan steps the traced step executed
         self.tx = make_optimizer(optimizer)
         if self.mode is Mode.SINGLE:
             self.strategy = self.mesh = self.jax_mesh = None
@@ -64,11 +68,13 @@ class TrainStep:
         else:
             if strategy is None or mesh is None:
                 raise ValueError(f"mode {self.mode.value!r} needs a strategy and a mesh.")
-            if self.mode is Mode.EXPLICIT:
-                raise ValueError("explicit (shard_map) mode is not available yet; use mode='gspmd'.")
             self.strategy, self.mesh = get_strategy(strategy), mesh
             self.strategy.check(mesh, model.config, batch=batch)
-            self.jax_mesh = lower_mesh(mesh, devices, axis_type=AxisType.Auto)
+            if self.mode is Mode.EXPLICIT:
+                self.atoms = AtomMesh(mesh)
+                self.jax_mesh = self.atoms.jax_mesh(devices)
+            else:
+                self.jax_mesh = lower_mesh(mesh, devices, axis_type=AxisType.Auto)
             dims, shapes = model.param_dims(), model.param_shapes()
             self.layouts = {role: self.strategy.layouts(role, dims, mesh, shapes)
                             for role in ("params", "compute", "grads", "optimizer")}
@@ -77,6 +83,8 @@ class TrainStep:
 
     # -- shardings -------------------------------------------------------------------------------
     def _sharding(self, layout: Layout) -> NamedSharding:
+        if self.mode is Mode.EXPLICIT:
+            return NamedSharding(self.jax_mesh, self.atoms.spec(layout))
         return lower_layout(layout, self.jax_mesh)
 
     def _activation(self, x, dims):
@@ -95,35 +103,56 @@ class TrainStep:
     def _place(self, tree: Mapping[str, Any], role: str):
         if self.mode is Mode.SINGLE:
             return {k: jax.device_put(np.asarray(v), self.device) for k, v in tree.items()}
-        return {k: jax.device_put(np.asarray(v), self._sharding(self.layouts[role][k])) for k, v in tree.items()}
+        return {k: put(v, self._sharding(self.layouts[role][k])) for k, v in tree.items()}
 
     def _place_batch(self, x):
-        x = np.asarray(x)
         if self.mode is Mode.SINGLE:
-            return jax.device_put(x, self.device)
+            return jax.device_put(np.asarray(x), self.device)
         spec = self.strategy.rules("activations").resolve(TOKENS, self.mesh)
-        return jax.device_put(x, self._sharding(Layout(self.mesh, spec)))
+        return put(x, self._sharding(Layout(self.mesh, spec)))
 
     # -- the step ----------------------------------------------------------------------------------
     def init(self, params: Mapping[str, np.ndarray]):
         p = self._place(params, "params")
-        opt = jax.jit(self.tx.init)(p)
-        if self.mode is not Mode.SINGLE:
-            opt = jax.tree_util.tree_map_with_path(self._place_opt_leaf, opt)
-        return {"params": p, "opt": opt}
+        if self.mode is Mode.SINGLE:
+            return {"params": p, "opt": jax.jit(self.tx.init)(p)}
+        # Optimizer states are made where they live (works across processes too).
+        init = lambda p: jax.tree_util.tree_map_with_path(self._place_opt_leaf, self.tx.init(p))
+        return {"params": p, "opt": jax.jit(init)(p)}
 
     def _place_opt_leaf(self, path, leaf):
         name = getattr(path[-1], "key", None)
         if isinstance(name, str) and name in self.layouts["optimizer"] and leaf.ndim:
-            return jax.device_put(leaf, self._sharding(self.layouts["optimizer"][name]))
-        return jax.device_put(leaf, NamedSharding(self.jax_mesh, PartitionSpec()))
+            return jax.lax.with_sharding_constraint(leaf, self._sharding(self.layouts["optimizer"][name]))
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.jax_mesh, PartitionSpec()))
 
     def _loss(self, params, tokens, targets):
+        if self.mode is Mode.EXPLICIT:
+            return self._explicit_loss(params, tokens, targets)
         return self.model.loss(self._ops(), params, tokens, targets)
+
+    def _explicit_loss(self, params, tokens, targets):
+        """The whole forward in shard_map; every redistribution is a core plan on lax collectives."""
+        mesh, strategy, atoms = self.mesh, self.strategy, self.atoms
+        layouts, shapes = self.layouts["params"], self.model.param_shapes()
+        tok_layout = Layout(mesh, strategy.rules("activations").resolve(TOKENS, mesh))
+        tok_shape = tuple(tokens.shape)
+        activation = lambda dims: strategy.rules("activations").resolve(dims, mesh, name=f"activation {tuple(dims)}")
+        compute = lambda name, dims: strategy.rules("compute").resolve(dims, mesh, name=name)
+
+        def local(p, x, y):
+            ops = ExplicitOps(atoms, activation=activation, compute=compute, log=self.log)
+            p = {k: Sharded(v, layouts[k], shapes[k]) for k, v in p.items()}
+            x, y = Sharded(x, tok_layout, tok_shape), Sharded(y, tok_layout, tok_shape)
+            return self.model.loss(ops, p, x, y).local
+
+        in_specs = ({k: atoms.spec(layouts[k]) for k in params}, atoms.spec(tok_layout), atoms.spec(tok_layout))
+        return jax.shard_map(local, mesh=self.jax_mesh, in_specs=in_specs, out_specs=PartitionSpec())(
+            params, tokens, targets)
 
     def _loss_and_grads(self, params, tokens, targets):
         loss, grads = jax.value_and_grad(self._loss)(params, tokens, targets)
-        if self.mode is Mode.GSPMD:
+        if self.mode is not Mode.SINGLE:
             grads = {k: jax.lax.with_sharding_constraint(g, self._sharding(self.layouts["grads"][k]))
                      for k, g in grads.items()}
         return loss, grads
@@ -132,7 +161,7 @@ class TrainStep:
         loss, grads = self._loss_and_grads(state["params"], tokens, targets)
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        if self.mode is Mode.GSPMD:
+        if self.mode is not Mode.SINGLE:
             params = {k: jax.lax.with_sharding_constraint(v, self._sharding(self.layouts["params"][k]))
                       for k, v in params.items()}
         return {"params": params, "opt": opt}, loss
@@ -142,7 +171,7 @@ class TrainStep:
 
     def loss_and_grads(self, state, tokens, targets) -> tuple[float, dict[str, np.ndarray]]:
         loss, grads = self._grads(state["params"], self._place_batch(tokens), self._place_batch(targets))
-        return float(loss), {k: np.asarray(v) for k, v in grads.items()}
+        return float(fetch(loss)), {k: fetch(v) for k, v in grads.items()}
 
     def params(self, state) -> dict[str, np.ndarray]:
-        return {k: np.asarray(v) for k, v in state["params"].items()}
+        return {k: fetch(v) for k, v in state["params"].items()}

@@ -1,4 +1,5 @@
-"""GSPMD mode: every strategy's loss, gradients and five AdamW steps equal the single device.
+"""Both JAX modes (GSPMD and explicit shard_map): every strategy's loss, gradients and five AdamW
+steps equal the single device.
 
 Tolerances (fp32): the loss and gradients are sums over the same terms in another order, so
 they agree to a few ulps of their largest terms: loss to 1e-5 relative, each gradient to 1e-5 of
@@ -12,6 +13,7 @@ more than 1e-6 after one step, 150 after five; the worst tensor's relative diffe
 (tp2d, blocks.1.attn.wo). A wrong gradient in any tensor gives a relative difference of order 1.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -72,10 +74,11 @@ def reference():
     return out
 
 
+@pytest.mark.parametrize("mode", [Mode.GSPMD, Mode.EXPLICIT], ids=lambda m: m.value)
 @pytest.mark.parametrize("preset, strategy, mesh", CASES, ids=[f"{s}-{'x'.join(map(str, m.sizes))}-{p}" for p, s, m in CASES])
-def test_strategy_equals_single_device(reference, preset, strategy, mesh):
+def test_strategy_equals_single_device(reference, preset, strategy, mesh, mode):
     model, params, x, y, (loss0, grads0, losses0, params0) = reference[preset]
-    step = TrainStep(model, strategy=strategy, mesh=mesh, mode=Mode.GSPMD, optimizer=OPT, batch=len(x))
+    step = TrainStep(model, strategy=strategy, mesh=mesh, mode=mode, optimizer=OPT, batch=len(x))
     loss, grads, losses, final = _run(step, params, x, y)
     assert abs(loss - loss0) <= 1e-5 * abs(loss0)
     for name, g0 in grads0.items():
@@ -86,6 +89,26 @@ def test_strategy_equals_single_device(reference, preset, strategy, mesh):
         moved = np.linalg.norm(p0 - params[name])
         assert moved > 0, name
         assert np.linalg.norm(final[name] - p0) <= 2e-3 * moved, name
+
+
+def test_explicit_forward_issues_the_textbook_collectives(reference):
+    """The plan steps explicit mode runs in one forward: Megatron's f/g, SP's gather/scatter,
+    Ulysses' all-to-alls and FSDP's gathers, from layouts alone."""
+    model, params, x, y, _ = reference["tiny-gqa"]
+    layers = model.config.layers
+    expected = {
+        ("tp", Mesh(tp=4)): {("all-reduce", ("tp",)): 1 + 2 * layers},  # embedding + attn/mlp outputs
+        ("tp_sp", Mesh(tp=4)): {("reduce-scatter", ("tp",)): 1 + 2 * layers, ("all-gather", ("tp",)): 1 + 2 * layers},
+        ("ulysses", Mesh(sp=4)): {("all-to-all", ("sp",)): 4 * layers},  # q, k, v there and o back
+        ("fsdp", Mesh(dp=4)): {("all-gather", ("dp",)): len(params)},  # every parameter, once
+        ("dp", Mesh(dp=4)): {},
+    }
+    for (strategy, mesh), want in expected.items():
+        step = TrainStep(model, strategy=strategy, mesh=mesh, mode=Mode.EXPLICIT, optimizer=OPT)
+        step.log.entries.clear()
+        jax.jit(step._loss).lower(step.init(params)["params"], step._place_batch(x), step._place_batch(y))
+        got = {(k.value, axes): n for (k, axes), n in step.log.counts().items()}
+        assert got == want, strategy
 
 
 def test_bad_combinations_fail_before_anything_runs():
@@ -100,3 +123,5 @@ def test_bad_combinations_fail_before_anything_runs():
         TrainStep(model, strategy="zero4", mesh=Mesh(dp=4))
     with pytest.raises(ValueError, match=r"batch=6 is not divisible by 4"):
         TrainStep(model, strategy="dp", mesh=Mesh(dp=4), batch=6)
+    with pytest.raises(ValueError, match=r"Mesh\(dp=16\) needs 16 devices but JAX sees 8"):
+        TrainStep(model, strategy="dp", mesh=Mesh(dp=16), mode=Mode.EXPLICIT)

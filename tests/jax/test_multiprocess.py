@@ -1,0 +1,60 @@
+"""Two processes of two CPU devices each (gloo) give the losses of one process of four devices."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parlay import Mesh
+from parlay.backends.jax.train import TrainStep
+from parlay.core.model import GPT, PRESETS
+
+WORKER = Path(__file__).with_name("multiprocess_worker.py")
+STRATEGY = "dp+tp"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one():
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PARLAY_COORDINATOR=f"127.0.0.1:{port}", PARLAY_NUM_PROCESSES="2", JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), STRATEGY], env={**env, "PARLAY_PROCESS_ID": str(i)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300))
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert (result["devices"], result["local"]) == (4, 2)
+
+    model = GPT(PRESETS["tiny-gqa"])
+    params = model.init(seed=0)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab, (8, model.config.seq + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    for mode in ("gspmd", "explicit"):
+        step = TrainStep(model, strategy=STRATEGY, mesh=Mesh(dp=2, tp=2), mode=mode)
+        state, losses = step.init(params), []
+        for _ in range(3):
+            state, loss = step(state, x, y)
+            losses.append(float(loss))
+        # Same program, same devices count, same reduction groups: equal to fp32 rounding.
+        np.testing.assert_allclose(result[mode], losses, rtol=1e-6, err_msg=mode)
