@@ -1,0 +1,237 @@
+"""Core plan steps as torch autograd functions, each with its transpose as backward.
+
+all-gather <-> reduce-scatter, all-to-all <-> the reverse all-to-all, a local slice <-> an
+all-gather (the slice of a replicated value), all-reduce <-> identity, a permute <-> the reverse
+permute. ``vary`` is the variance rule of DESIGN.md: a value replicated over axes that meets a
+value varying over them passes through ``vary``: identity forward, all-reduce backward. Data-
+parallel gradient sync and Megatron's f operator are ``vary``; Megatron's g is the all-reduce.
+
+Group members follow the plan's order (first axis major); torch orders a group by global rank,
+so chunks are permuted between the two where they differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ...core import AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, Plan, ReduceScatter, Step
+from .mesh import TorchMesh
+
+__all__ = ["CollectiveLog", "run_plan", "vary", "all_reduce"]
+
+
+@dataclass
+class CollectiveLog:
+    """Every collective issued, forward and backward: (kind, axes, bytes sent by this rank)."""
+
+    entries: list = field(default_factory=list)
+
+    def record(self, kind: Kind, axes, nbytes: int, backward: bool = False) -> None:
+        self.entries.append((kind, tuple(axes), int(nbytes), backward))
+
+    def counts(self, *, backward: bool | None = None) -> dict:
+        out: dict = {}
+        for kind, axes, _, bwd in self.entries:
+            if kind is not Kind.LOCAL_SLICE and (backward is None or bwd == backward):
+                out[(kind, axes)] = out.get((kind, axes), 0) + 1
+        return out
+
+
+class _Ctx:
+    """What a collective needs: the group, the member order, this rank's index, and the log."""
+
+    def __init__(self, tm: TorchMesh, axes, plan_mesh, log: CollectiveLog | None):
+        self.axes, self.log = tuple(axes), log
+        self.pg, self.members = tm.group(self.axes, plan_mesh)
+        self.n = len(self.members)
+        self.index = self.members.index(tm.rank)
+        order = sorted(self.members)
+        self.to_torch = [self.members.index(r) for r in order]  # torch slot j holds member to_torch[j]
+
+    def note(self, kind: Kind, nbytes: int, backward: bool):
+        if self.log is not None:
+            self.log.record(kind, self.axes, nbytes, backward)
+
+
+def _gather(x: torch.Tensor, dim: int, c: _Ctx, backward: bool) -> torch.Tensor:
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((c.n * front.shape[0],) + front.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, front, group=c.pg)
+    pieces = out.chunk(c.n, 0)  # in torch's (rank) order
+    ordered = [None] * c.n
+    for slot, member in enumerate(c.to_torch):
+        ordered[member] = pieces[slot]
+    c.note(Kind.ALL_GATHER, (c.n - 1) * x.numel() * x.element_size(), backward)
+    return torch.cat(ordered, 0).movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, c: _Ctx, backward: bool) -> torch.Tensor:
+    pieces = x.movedim(dim, 0).chunk(c.n, 0)  # in plan order
+    inp = torch.cat([pieces[m] for m in c.to_torch], 0).contiguous()
+    out = torch.empty((inp.shape[0] // c.n,) + inp.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, inp, group=c.pg) if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor(out, inp, group=c.pg)
+    c.note(Kind.REDUCE_SCATTER, (c.n - 1) * x.numel() // c.n * x.element_size(), backward)
+    return out.movedim(0, dim)
+
+
+def _all_to_all(x: torch.Tensor, split: int, concat: int, c: _Ctx, backward: bool) -> torch.Tensor:
+    pieces = x.chunk(c.n, split)  # piece k goes to member k
+    inp = torch.stack([pieces[m] for m in c.to_torch]).contiguous()
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp, group=c.pg)
+    got = [None] * c.n
+    for slot, member in enumerate(c.to_torch):
+        got[member] = out[slot]
+    c.note(Kind.ALL_TO_ALL, (c.n - 1) * x.numel() // c.n * x.element_size(), backward)
+    return torch.cat(got, concat)
+
+
+def _all_reduce(x: torch.Tensor, c: _Ctx, backward: bool) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=c.pg)
+    c.note(Kind.ALL_REDUCE, 2 * (c.n - 1) * x.numel() // c.n * x.element_size(), backward)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, c):
+        ctx.dim, ctx.c = dim, c
+        return _gather(x, dim, c, False)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.dim, ctx.c, True), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, c):
+        ctx.dim, ctx.c = dim, c
+        return _reduce_scatter(x, dim, c, False)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.c, True), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split, concat, c):
+        ctx.split, ctx.concat, ctx.c = split, concat, c
+        return _all_to_all(x, split, concat, c, False)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, ctx.concat, ctx.split, ctx.c, True), None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    """Sums pending partials; the result is the same on every member, and so is its cotangent."""
+
+    @staticmethod
+    def forward(ctx, x, c):
+        return _all_reduce(x, c, False)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Vary(torch.autograd.Function):
+    """A replicated value used where values vary over the group: its gradient is partial."""
+
+    @staticmethod
+    def forward(ctx, x, c):
+        ctx.c = c
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.c, True), None
+
+
+class _LocalSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, c):
+        ctx.dim, ctx.c = dim, c
+        return x.chunk(c.n, dim)[c.index].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        # The input was the same on every member: its gradient collects every member's piece.
+        return _gather(g, ctx.dim, ctx.c, True), None, None
+
+
+def _permute(x: torch.Tensor, pairs, rank: int) -> torch.Tensor:
+    ops, out = [], x
+    recv_from = [s for s, d in pairs if d == rank]
+    for s, d in pairs:
+        if s == rank:
+            ops.append(dist.P2POp(dist.isend, x.contiguous(), d))
+    if recv_from:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        ops.append(dist.P2POp(dist.irecv, out, recv_from[0]))
+    for req in dist.batch_isend_irecv(ops) if ops else []:
+        req.wait()
+    return out
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pairs, rank, log):
+        ctx.pairs, ctx.rank, ctx.log = pairs, rank, log
+        if log is not None:
+            log.record(Kind.PERMUTE, (), x.numel() * x.element_size() if any(s == rank for s, _ in pairs) else 0)
+        return _permute(x, pairs, rank)
+
+    @staticmethod
+    def backward(ctx, g):
+        # A shard that moved sends its gradient back; a shard that stayed keeps it; a rank whose
+        # shard left and that received another one gets its own gradient from the receiver.
+        back = tuple((d, s) for s, d in ctx.pairs)
+        sent = any(s == ctx.rank for s, _ in ctx.pairs)
+        received = any(d == ctx.rank for _, d in ctx.pairs)
+        moved = _permute(g, back, ctx.rank)
+        if sent and not received:
+            moved = moved + g  # kept its own shard and also sent it: both uses contribute
+        elif received and not sent:
+            moved = torch.zeros_like(g)  # its shard was overwritten and went nowhere
+        if ctx.log is not None:
+            ctx.log.record(Kind.PERMUTE, (), g.numel() * g.element_size() if received else 0, True)
+        return moved, None, None, None
+
+
+def run_step(step: Step, x: torch.Tensor, tm: TorchMesh, plan_mesh, log: CollectiveLog | None) -> torch.Tensor:
+    if isinstance(step, Permute):
+        return _Permute.apply(x, step.pairs, tm.rank, log)
+    c = _Ctx(tm, step.axes, plan_mesh, log)
+    if isinstance(step, AllGather):
+        return _AllGather.apply(x, step.dim, c)
+    if isinstance(step, ReduceScatter):
+        return _ReduceScatter.apply(x, step.dim, c)
+    if isinstance(step, AllReduce):
+        return _AllReduce.apply(x, c)
+    if isinstance(step, AllToAll):
+        return _AllToAll.apply(x, step.split_dim, step.concat_dim, c)
+    if isinstance(step, LocalSlice):
+        return _LocalSlice.apply(x, step.dim, c)
+    raise TypeError(f"{step!r} is not a plan step")
+
+
+def run_plan(plan: Plan, x: torch.Tensor, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
+    for step in plan.steps:
+        x = run_step(step, x, tm, plan.mesh, log)
+    return x
+
+
+def vary(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
+    return _Vary.apply(x, _Ctx(tm, tuple(axes), None, log)) if axes else x
+
+
+def all_reduce(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
+    """Sum over ``axes`` (norm statistics, the vocabulary-parallel loss); backward identity."""
+    return _AllReduce.apply(x, _Ctx(tm, tuple(axes), None, log)) if axes else x

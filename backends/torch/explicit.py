@@ -1,0 +1,219 @@
+"""The neutral ops on local shards over torch.distributed.
+
+Each value is a ``Sharded``: the local block, its core ``Layout``, its global shape, and the mesh
+axes it *varies* over (its layout's axes, plus axes it picked up from varying operands). Ops run
+the core's plans (``plan_einsum``, ``plan_redistribute``) with autograd collectives, and apply
+the variance rule: an operand invariant over an axis another operand varies over goes through
+``vary`` (identity forward, all-reduce of its gradient backward). JAX's shard_map does this
+bookkeeping itself; here it is explicit, and it is what makes data-parallel gradient sync and
+Megatron's f operator appear without a line of strategy code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ...core import AllGather, AllReduce, Layout, LocalSlice, P, Permute, ReduceScatter, plan_einsum, plan_redistribute
+from ...core.ops import LogicalDims
+from .collectives import CollectiveLog, all_reduce, run_step, vary
+from .mesh import TorchMesh
+from .ops import TorchOps
+
+__all__ = ["Sharded", "ExplicitOps"]
+
+
+@dataclass(frozen=True)
+class Sharded:
+    local: torch.Tensor
+    layout: Layout
+    shape: tuple[int, ...]
+    varying: frozenset = frozenset()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _layout_axes(layout: Layout) -> frozenset:
+    return frozenset(layout.spec.axes) | frozenset(layout.partial)
+
+
+class ExplicitOps:
+    def __init__(self, tm: TorchMesh, *, activation: Callable[[LogicalDims], P],
+                 compute: Callable[[str, LogicalDims], P], log: CollectiveLog | None = None):
+        self.tm, self.mesh = tm, tm.mesh
+        self._activation, self._compute = activation, compute
+        self.log = log
+        self._local = TorchOps()
+
+    # -- variance ------------------------------------------------------------------------------------
+    def _vary_to(self, x: Sharded, axes: frozenset) -> Sharded:
+        missing = [a for a in self.mesh.axis_names if a in axes and a not in x.varying and self.mesh.axis_size(a) > 1]
+        if not missing:
+            return x
+        return Sharded(vary(x.local, tuple(missing), self.tm, self.log), x.layout, x.shape, x.varying | set(missing))
+
+    def _align(self, *xs: Sharded) -> list[Sharded]:
+        union = frozenset().union(*(x.varying for x in xs))
+        return [self._vary_to(x, union) for x in xs]
+
+    # -- moving data ------------------------------------------------------------------------------------
+    def _run(self, plan, x: Sharded) -> Sharded:
+        local, varying = x.local, set(x.varying)
+        for step in plan.steps:
+            axes = getattr(step, "axes", ())
+            base = {a.partition(".")[0] for a in axes}
+            if isinstance(step, (AllGather, ReduceScatter, LocalSlice)):
+                varying |= base
+            elif isinstance(step, AllReduce):
+                # A sum over the group is the same on every member of it.
+                varying -= base
+            elif isinstance(step, Permute):
+                # Point-to-point moves: a shard replicated over some axes arrives on ranks that
+                # differ there, so it must vary over them first (JAX's ppermute does the same).
+                rest = [a for a in self.mesh.axis_names if a not in varying and self.mesh.axis_size(a) > 1]
+                local = vary(local, tuple(rest), self.tm, self.log)
+                varying |= set(self.mesh.axis_names)
+            local = run_step(step, local, self.tm, plan.mesh, self.log)
+        return Sharded(local, plan.dst, x.shape, frozenset(varying) | _layout_axes(plan.dst))
+
+    def redistribute(self, x: Sharded, target: Layout) -> Sharded:
+        if x.layout == target:
+            return x
+        return self._run(plan_redistribute(x.layout, target, x.shape, itemsize=x.local.element_size()), x)
+
+    def complete(self, x: Sharded) -> Sharded:
+        return self.redistribute(x, x.layout.replace(partial=())) if x.layout.partial else x
+
+    def _index(self, axes) -> int:
+        idx = 0
+        for a in axes:
+            idx = idx * self.mesh.axis_size(a) + self.mesh.coord(self.tm.rank, a)
+        return idx
+
+    def param(self, name: str, value: Sharded, dims: LogicalDims) -> Sharded:
+        return self.redistribute(value, Layout(self.mesh, self._compute(name, dims)))
+
+    def constrain(self, x: Sharded, dims: LogicalDims) -> Sharded:
+        return self.redistribute(x, Layout(self.mesh, self._activation(dims)))
+
+    def constant(self, value) -> Sharded:
+        value = np.asarray(value)
+        return Sharded(torch.from_numpy(value), Layout(self.mesh, P()), value.shape)
+
+    # -- linear algebra -------------------------------------------------------------------------------
+    def einsum(self, equation: str, *operands: Sharded) -> Sharded:
+        plan = plan_einsum(equation, [o.layout for o in operands], [o.shape for o in operands],
+                           itemsize=operands[0].local.element_size())
+        moved = self._align(*(self._run(p, o) for p, o in zip(plan.operand_plans, operands)))
+        out = self._local.einsum(equation, *(m.local for m in moved))
+        return Sharded(out, plan.out, plan.out_shape, moved[0].varying | _layout_axes(plan.out))
+
+    def _same(self, x: Sharded, y: Sharded) -> tuple[Sharded, Sharded]:
+        if x.layout != y.layout:
+            x = self.complete(x)
+            y = self.redistribute(self.complete(y), x.layout)
+        x, y = self._align(x, y)
+        return x, y
+
+    def add(self, x: Sharded, y: Sharded) -> Sharded:
+        x, y = self._same(x, y)
+        return Sharded(x.local + y.local, x.layout, x.shape, x.varying)
+
+    def mul(self, x: Sharded, y: Sharded) -> Sharded:
+        x, y = self._same(self.complete(x), self.complete(y))
+        return Sharded(x.local * y.local, x.layout, x.shape, x.varying)
+
+    def _unary(self, x: Sharded, fn) -> Sharded:
+        x = self.complete(x)
+        return Sharded(fn(x.local), x.layout, x.shape, x.varying)
+
+    def gelu(self, x: Sharded) -> Sharded:
+        return self._unary(x, self._local.gelu)
+
+    def silu(self, x: Sharded) -> Sharded:
+        return self._unary(x, self._local.silu)
+
+    # -- reductions over a possibly sharded last dim ---------------------------------------------------
+    def _last_dim(self, x: Sharded, *params: Sharded):
+        x = self.complete(x)
+        axes = x.layout.dim_axes(x.ndim - 1)
+        vec = Layout(self.mesh, P(axes or None))
+        params = [self.redistribute(self.complete(p), vec) for p in params]
+        aligned = self._align(x, *params)
+        return aligned[0], axes, aligned[1:]
+
+    def _sum_last(self, v: torch.Tensor, axes) -> torch.Tensor:
+        return all_reduce(v.sum(-1, keepdim=True), axes, self.tm, self.log)
+
+    def rms_norm(self, x: Sharded, scale: Sharded, eps: float) -> Sharded:
+        x, axes, (scale,) = self._last_dim(x, scale)
+        ms = self._sum_last(x.local * x.local, axes) / x.shape[-1]
+        # The statistic is the same across `axes`; used with x, which varies there, it is varied.
+        ms = vary(ms, axes, self.tm, self.log)
+        return Sharded(x.local * torch.rsqrt(ms + eps) * scale.local, x.layout, x.shape, x.varying)
+
+    def layer_norm(self, x: Sharded, scale: Sharded, bias: Sharded, eps: float) -> Sharded:
+        x, axes, (scale, bias) = self._last_dim(x, scale, bias)
+        mean = vary(self._sum_last(x.local, axes) / x.shape[-1], axes, self.tm, self.log)
+        var = vary(self._sum_last((x.local - mean) ** 2, axes) / x.shape[-1], axes, self.tm, self.log)
+        out = (x.local - mean) * torch.rsqrt(var + eps) * scale.local + bias.local
+        return Sharded(out, x.layout, x.shape, x.varying)
+
+    # -- embedding, positions, attention, loss -----------------------------------------------------------
+    def embed(self, table: Sharded, tokens: Sharded) -> Sharded:
+        tokens, table = self.complete(tokens), self.complete(table)
+        tok_axes = set(tokens.layout.spec.axes)
+        keep = lambda axes: tuple(a for a in axes if a not in tok_axes) or None
+        table = self.redistribute(table, Layout(self.mesh, P(keep(table.layout.dim_axes(0)), keep(table.layout.dim_axes(1)))))
+        vocab_axes, embed_axes = table.layout.dim_axes(0), table.layout.dim_axes(1)
+        v_local = table.local.shape[0]
+        ids = tokens.local - self._index(vocab_axes) * v_local
+        hit = (ids >= 0) & (ids < v_local)
+        table = self._vary_to(table, tokens.varying)  # rows looked up by varying tokens
+        out = table.local[ids.clamp(0, v_local - 1)] * hit[..., None]
+        spec = P(*(tokens.layout.dim_axes(d) or None for d in range(2)), embed_axes or None)
+        layout = Layout(self.mesh, spec, vocab_axes)
+        return Sharded(out, layout, tokens.shape + (table.shape[1],), table.varying | tokens.varying | _layout_axes(layout))
+
+    def rotary(self, x: Sharded, cos: Sharded, sin: Sharded) -> Sharded:
+        x = self.complete(x)
+        if x.layout.dim_axes(3):
+            x = self.redistribute(x, Layout(self.mesh, P(*(x.layout.dim_axes(d) or None for d in range(3)))))
+        table = Layout(self.mesh, P(x.layout.dim_axes(1) or None))
+        cos, sin = self.redistribute(cos, table), self.redistribute(sin, table)
+        # cos/sin are constants: no gradient, no need to vary them.
+        return Sharded(self._local.rotary(x.local, cos.local, sin.local), x.layout, x.shape, x.varying)
+
+    def attention(self, q: Sharded, k: Sharded, v: Sharded, *, causal: bool = True) -> Sharded:
+        q = self.complete(q)
+        target = Layout(self.mesh, P(q.layout.dim_axes(0) or None, None, q.layout.dim_axes(2) or None))
+        q, k, v = self._align(*(self.redistribute(self.complete(t), target) for t in (q, k, v)))
+        return Sharded(self._local.attention(q.local, k.local, v.local, causal=causal), target, q.shape, q.varying)
+
+    def cross_entropy(self, logits: Sharded, targets: Sharded) -> Sharded:
+        logits = self.complete(logits)
+        lead = [logits.layout.dim_axes(d) or None for d in range(2)]
+        targets = self.redistribute(self.complete(targets), Layout(self.mesh, P(*lead)))
+        vocab = logits.layout.dim_axes(2)
+        l = logits.local
+        m = l.detach().amax(-1, keepdim=True)
+        if vocab:  # a max is not a sum: reduce it outside autograd (the shift cancels in the loss)
+            import torch.distributed as dist
+            pg, _ = self.tm.group(tuple(vocab))
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+        se = all_reduce(torch.exp(l - m).sum(-1), vocab, self.tm, self.log)
+        ids = targets.local - self._index(vocab) * l.shape[-1]
+        hit = (ids >= 0) & (ids < l.shape[-1])
+        picked = torch.gather(l, -1, ids.clamp(0, l.shape[-1] - 1)[..., None])[..., 0] * hit
+        picked = all_reduce(picked, vocab, self.tm, self.log)
+        varying = logits.varying - set(vocab)
+        total = (torch.log(se) + m[..., 0] - picked).sum()
+        token_axes = logits.layout.dim_axes(0) + logits.layout.dim_axes(1)
+        total = all_reduce(total, token_axes, self.tm, self.log)
+        varying -= set(token_axes)
+        return Sharded(total / (logits.shape[0] * logits.shape[1]), Layout(self.mesh, P()), (), frozenset(varying))

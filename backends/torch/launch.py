@@ -1,0 +1,93 @@
+"""Running a function on N gloo ranks of this machine, one process each.
+
+``spawn(fn, world_size, *args)`` starts the processes, initialises torch.distributed (gloo) in
+each, calls ``fn(rank, *args)`` and returns the per-rank results. A rank that raises, dies or
+hangs makes ``spawn`` raise one clear error within ``timeout_s``; it never waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["spawn", "RankFailure"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or timed out."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, fn, args, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        results.put((rank, True, fn(rank, *args)))
+    except BaseException as e:  # report everything, including a collective timing out
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0) -> list[Any]:
+    """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each in its own gloo process.
+
+    ``fn`` must be importable (a module-level function). Raises ``RankFailure`` naming the first
+    rank that failed, or the ranks still running when ``timeout_s`` passed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}; spawn needs at least one rank.")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s + 30  # the ranks' own collective timeout fires first
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode != 0]
+                if dead:
+                    raise RankFailure(
+                        f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) before returning; the "
+                        f"other ranks were stopped."
+                    ) from None
+                if time.monotonic() > deadline:
+                    waiting = [r for r in range(world_size) if r not in out]
+                    raise RankFailure(f"ranks {waiting} did not finish within {timeout_s:.0f} s; stopped them.") from None
+                continue
+            if not ok:
+                raise RankFailure(f"rank {rank} failed: {value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,41 @@
+"""The core mesh on torch.distributed: a DeviceMesh for the axes, and process groups for any set
+of (sub-)axes a plan needs."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ...core import Mesh
+
+__all__ = ["TorchMesh"]
+
+
+class TorchMesh:
+    """``mesh`` lowered for this rank. ``group(axes, plan_mesh)`` returns this rank's process
+    group over ``axes`` (axes of ``plan_mesh``, a refinement of ``mesh`` with the same ranks)
+    and the members in the plan's order (first axis major); groups are made on first use, by
+    every rank in the same order (SPMD), and cached."""
+
+    def __init__(self, mesh: Mesh, device_type: str = "cpu"):
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; launch with parlay.backends.torch.spawn or torchrun.")
+        mesh.check_world_size(dist.get_world_size())
+        self.mesh, self.rank = mesh, dist.get_rank()
+        self.device_mesh: DeviceMesh = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)
+        self._groups: dict = {}
+
+    def group(self, axes: tuple[str, ...], plan_mesh: Mesh | None = None):
+        plan_mesh = plan_mesh or self.mesh
+        key = (plan_mesh, tuple(axes))
+        if key not in self._groups:
+            mine = None
+            for members in plan_mesh.groups(axes):
+                if len(axes) == 1 and axes[0] in self.mesh.axis_names:
+                    pg = self.device_mesh.get_group(axes[0]) if self.rank in members else None
+                else:
+                    pg = dist.new_group(sorted(members))  # every rank takes part in every new_group
+                if self.rank in members:
+                    mine = (pg, members)
+            self._groups[key] = mine
+        return self._groups[key]

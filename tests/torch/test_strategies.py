@@ -1,0 +1,93 @@
+"""Every strategy on gloo ranks equals the single-process torch run, and JAX's single device.
+
+Tolerances (fp32): the same sums in another order: loss to 1e-5 relative, each gradient to 1e-5
+of its largest element (measured: at most 1e-6).
+"""
+
+import numpy as np
+import pytest
+
+from parlay.backends.torch.launch import RankFailure, spawn
+from parlay.backends.torch.train import single_loss_and_grads
+from parlay.core.model import GPT, PRESETS
+
+import workers
+
+CASES_4 = [
+    ("dp", [("dp", 4)]), ("zero1", [("dp", 4)]), ("zero2", [("dp", 4)]), ("fsdp", [("dp", 4)]),
+    ("tp", [("tp", 4)]), ("tp_sp", [("tp", 4)]), ("ulysses", [("sp", 4)]), ("tp2d", [("row", 2), ("col", 2)]),
+    ("dp+tp", [("dp", 2), ("tp", 2)]), ("fsdp+tp", [("dp", 2), ("tp", 2)]), ("dp+tp_sp", [("dp", 2), ("tp", 2)]),
+]
+CASES_8 = [("dp+tp+ulysses", [("dp", 2), ("tp", 2), ("sp", 2)]), ("fsdp+tp_sp", [("dp", 2), ("tp", 4)])]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = GPT(PRESETS["tiny-gqa"])
+    params = model.init(0)
+    x, y = workers.batch(model.config)
+    return single_loss_and_grads(model, params, x, y)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = spawn(workers.loss_and_grads, 4, "tiny-gqa", CASES_4, timeout_s=300)
+    out8 = spawn(workers.loss_and_grads, 8, "tiny-gqa", CASES_8, timeout_s=300)
+    return out, out8
+
+
+def _check(results, reference):
+    loss0, grads0 = reference
+    for key, (loss, grads, _, _) in results[0].items():
+        assert all(r[key][0] == loss for r in results), f"{key}: ranks disagree on the loss"
+        assert abs(loss - loss0) <= 1e-5 * abs(loss0), key
+        for name, g0 in grads0.items():
+            np.testing.assert_allclose(grads[name], g0, rtol=0, atol=1e-5 * np.abs(g0).max(), err_msg=f"{key} {name}")
+
+
+def test_four_ranks_equal_one_process(runs, reference):
+    _check(runs[0], reference)
+
+
+def test_eight_ranks_equal_one_process(runs, reference):
+    _check(runs[1], reference)
+
+
+def test_torch_equals_jax(reference):
+    """The same weights and batch give the same loss and gradients on torch and on JAX."""
+    from parlay.backends.jax.train import Mode, TrainStep
+
+    model = GPT(PRESETS["tiny-gqa"])
+    params = model.init(0)
+    x, y = workers.batch(model.config)
+    step = TrainStep(model, mode=Mode.SINGLE)
+    loss, grads = step.loss_and_grads(step.init(params), x, y)
+    assert abs(loss - reference[0]) <= 1e-5 * abs(loss)
+    for name, g in grads.items():
+        np.testing.assert_allclose(reference[1][name], g, rtol=0, atol=1e-5 * np.abs(g).max(), err_msg=name)
+
+
+def test_collectives_fall_out_of_the_layouts(runs):
+    """DP gradient sync, FSDP's reduce-scatter and Megatron's f/g come from the variance rule and
+    the plans, not from code per strategy (counts per rank, forward and backward)."""
+    res = runs[0][0]
+    n_params = 21
+    _, _, fwd, bwd = res["dp@dp=4"]
+    assert fwd == {("all-reduce", ("dp",)): 1}  # the loss
+    assert bwd == {("all-reduce", ("dp",)): n_params}  # one gradient all-reduce per parameter
+    _, _, fwd, bwd = res["fsdp@dp=4"]
+    assert fwd == {("all-gather", ("dp",)): n_params, ("all-reduce", ("dp",)): 1}
+    assert bwd == {("reduce-scatter", ("dp",)): n_params}
+    _, _, fwd, bwd = res["tp@tp=4"]
+    # g: embedding + attention and MLP outputs of 2 layers (5), plus the loss's two sums over vocab.
+    assert fwd == {("all-reduce", ("tp",)): 5 + 2}
+    # f: the gradients of the 5 inputs that enter tp-sharded weights (qkv and MLP of 2 layers, the
+    # head), plus the norm scales and the rest used with tp-varying values.
+    assert bwd[("all-reduce", ("tp",))] >= 5
+    _, _, fwd, bwd = res["ulysses@sp=4"]
+    assert fwd[("all-to-all", ("sp",))] == 8 and bwd[("all-to-all", ("sp",))] == 8
+
+
+def test_a_dead_rank_fails_the_others_within_the_timeout():
+    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code 3\)|rank [023] failed: .*"):
+        spawn(workers.die_mid_step, 4, 1, timeout_s=10)

@@ -1,0 +1,45 @@
+"""Functions run on spawned gloo ranks by the torch tests (module-level, so spawn can import them)."""
+
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from parlay import Mesh
+from parlay.backends.torch.train import ShardedModel
+from parlay.core.model import GPT, PRESETS
+
+
+def batch(config, seed=0, n=8):
+    tokens = np.random.default_rng(seed).integers(0, config.vocab, (n, config.seq + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_and_grads(rank, preset, cases):
+    """For each (strategy, mesh axes): loss, global grads, forward and backward collective counts."""
+    model = GPT(PRESETS[preset])
+    params = model.init(0)
+    x, y = batch(model.config)
+    out = {}
+    for strategy, axes in cases:
+        sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x))
+        local = sm.shard(params)
+        loss = sm.loss(local, x, y)
+        loss.backward()
+        grads = sm.gather_grads(local)
+        count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
+        out[strategy + "@" + ",".join(f"{a}={n}" for a, n in axes)] = (float(loss), grads if rank == 0 else None,
+                                                                      count(False), count(True))
+    return out
+
+
+def die_mid_step(rank, dead_rank):
+    """Every rank all-reduces; one exits first, so the others wait on a peer that is gone."""
+    if rank == dead_rank:
+        time.sleep(0.5)
+        os._exit(3)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return float(t.sum())
