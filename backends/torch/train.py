@@ -77,3 +77,97 @@ class ShardedModel:
                 full[sl] = pieces[r].numpy()
             out[k] = full
         return out
+
+
+def _clip_scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
+    # optax.clip_by_global_norm's rule, so torch and JAX trajectories can be compared.
+    return torch.where(norm < clip, torch.ones_like(norm), clip / norm)
+
+
+class ReferenceTrainer:
+    """Single-process AdamW on the neutral model: the reference for the sharded trainer."""
+
+    def __init__(self, model: GPT, params: Mapping[str, np.ndarray], *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                 weight_decay=0.1, clip=1.0):
+        self.model, self.clip = model, clip
+        self.params = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def step(self, tokens, targets) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model.loss(TorchOps(), self.params, torch.as_tensor(tokens), torch.as_tensor(targets))
+        loss.backward()
+        with torch.no_grad():
+            norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params.values())).float()
+            scale = _clip_scale(norm, self.clip)
+            for p in self.params.values():
+                p.grad.mul_(scale)
+        self.opt.step()
+        return float(loss.detach())
+
+
+class ShardedTrainer:
+    """AdamW on this rank's shards. Gradients come out of backward in the parameters' layouts;
+    they move to the optimizer layout (a local slice for ZeRO-1/2), torch AdamW updates the
+    optimizer-layout shards, and a core plan moves the updated values back to the parameters'
+    layout (ZeRO's all-gather)."""
+
+    def __init__(self, sharded: ShardedModel, params: Mapping[str, np.ndarray], *, lr=1e-3, betas=(0.9, 0.95),
+                 eps=1e-8, weight_decay=0.1, clip=1.0):
+        from .collectives import run_plan
+        from ...core import plan_redistribute
+
+        self.sm, self.clip = sharded, clip
+        self._run_plan, self._plan = run_plan, plan_redistribute
+        self.local = sharded.shard(params)
+        rank = sharded.tm.rank
+        lay = sharded.layouts
+        self.master = {k: torch.tensor(np.ascontiguousarray(v[lay["optimizer"][k].shard_slices(v.shape)[rank]]))
+                       for k, v in params.items()}
+        for t in self.master.values():
+            t.requires_grad_(True)
+        self.opt = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def _move(self, name: str, x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+        lay = self.sm.layouts
+        plan = self._plan(lay[src][name], lay[dst][name], self.sm.shapes[name], itemsize=x.element_size())
+        return self._run_plan(plan, x, self.sm.tm, self.sm.log)
+
+    def step(self, tokens, targets) -> float:
+        import torch.distributed as dist
+
+        for p in self.local.values():
+            p.grad = None
+        loss = self.sm.loss(self.local, tokens, targets)
+        loss.backward()
+        mesh, lay = self.sm.mesh, self.sm.layouts
+        with torch.no_grad():
+            # The global norm counts each element once: a replicated shard is divided by its copies.
+            sq = torch.zeros((), dtype=torch.float64)
+            for k, m in self.master.items():
+                g = self._move(k, self.local[k].grad, "params", "optimizer")
+                copies = mesh.size // int(np.prod([lay["optimizer"][k].shard_count(d) for d in range(m.ndim)]))
+                sq += (g.double() ** 2).sum() / copies
+                m.grad = g.clone()
+            dist.all_reduce(sq)
+            scale = _clip_scale(torch.sqrt(sq).float(), self.clip)
+            for m in self.master.values():
+                m.grad.mul_(scale)
+        self.opt.step()
+        with torch.no_grad():
+            for k, m in self.master.items():
+                self.local[k].copy_(self._move(k, m.detach(), "optimizer", "params"))
+        return float(loss.detach())
+
+    def gather_params(self) -> dict[str, np.ndarray]:
+        import torch.distributed as dist
+
+        out = {}
+        for k, v in self.local.items():
+            pieces = [torch.empty_like(v) for _ in range(self.sm.mesh.size)]
+            dist.all_gather(pieces, v.detach().contiguous())
+            full = np.empty(self.sm.shapes[k], np.float32)
+            for r, sl in enumerate(self.sm.layouts["params"][k].shard_slices(self.sm.shapes[k])):
+                full[sl] = pieces[r].numpy()
+            out[k] = full
+        return out

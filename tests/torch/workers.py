@@ -43,3 +43,20 @@ def die_mid_step(rank, dead_rank):
     t = torch.ones(4)
     dist.all_reduce(t)
     return float(t.sum())
+
+
+def train_steps(rank, preset, cases, steps):
+    """Losses of `steps` AdamW steps and the final global parameters, per strategy."""
+    from parlay.backends.torch.train import ShardedTrainer
+
+    model = GPT(PRESETS[preset])
+    params = model.init(0)
+    x, y = batch(model.config)
+    out = {}
+    for strategy, axes in cases:
+        trainer = ShardedTrainer(ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x)), params)
+        losses = [trainer.step(x, y) for _ in range(steps)]
+        final = trainer.gather_params()
+        shards = {k: tuple(m.shape) for k, m in trainer.master.items()}
+        out[strategy] = (losses, final if rank == 0 else None, shards)
+    return out
