@@ -313,8 +313,13 @@ class GPT:
         for i, block in enumerate(self.blocks):
             out += block.decls(f"blocks.{i}")
         out += self.final_norm.decls("final_norm")
-        out += (ParamDecl("lm_head.w", (c.embed, c.vocab), ("embed", "vocab")),)
+        out += self.lm_head.decls("lm_head")
         return out
+
+    @property
+    def lm_head(self) -> Linear:
+        c = self.config
+        return Linear((c.embed,), (c.vocab,), ("embed",), ("vocab",))
 
     def init(self, seed: int = 0) -> dict[str, np.ndarray]:
         return init_params(self.decls(), seed)
@@ -333,6 +338,5 @@ class GPT:
         for i, block in enumerate(self.blocks):
             x = block(ops, params, f"blocks.{i}", x, cos, sin)
         x = ops.constrain(self.final_norm(ops, params, "final_norm", x), PROJ_IN)
-        head = ops.param("lm_head.w", params["lm_head.w"], ("embed", "vocab"))
-        logits = ops.constrain(ops.einsum("bse,ev->bsv", x, head), LOGITS)  # (B, S, V)
+        logits = ops.constrain(self.lm_head(ops, params, "lm_head", x), LOGITS)  # (B, S, V)
         return ops.cross_entropy(logits, targets)

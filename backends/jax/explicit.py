@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from ...core import Layout, Mesh, P, plan_einsum, plan_redistribute
+from ...core.operand_layouts import attention_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout
 from ...core.ops import LogicalDims
 from .collectives import AtomMesh, CollectiveLog, run_plan
 from .ops import JaxOps
@@ -110,7 +111,7 @@ class ExplicitOps:
     def _last_dim(self, x: Sharded, *params: Sharded) -> tuple[Sharded, tuple[str, ...], list[Sharded]]:
         x = self.complete(x)
         axes = x.layout.dim_axes(x.ndim - 1)
-        vec = Layout(self.mesh, P(axes or None))  # a (E,) vector split as x's last dim
+        vec = vector_layout(x.layout, x.ndim)
         return x, axes, [self.redistribute(self.complete(p), vec) for p in params]
 
     def _sum_last(self, v: jax.Array, axes) -> jax.Array:
@@ -132,38 +133,32 @@ class ExplicitOps:
     def embed(self, table: Sharded, tokens: Sharded) -> Sharded:
         """Vocabulary-parallel lookup: ranks outside a token's vocab shard add zeros."""
         tokens = self.complete(tokens)
-        tok_axes = set(tokens.layout.spec.axes)
-        table = self.complete(table)
-        keep = lambda axes: tuple(a for a in axes if a not in tok_axes) or None
-        table = self.redistribute(table, Layout(self.mesh, P(keep(table.layout.dim_axes(0)), keep(table.layout.dim_axes(1)))))
-        vocab_axes, embed_axes = table.layout.dim_axes(0), table.layout.dim_axes(1)
+        target, out_layout = embed_layouts(table.layout, tokens.layout)
+        table = self.redistribute(self.complete(table), target)
+        vocab_axes = target.dim_axes(0)
         v_local = table.local.shape[0]
         ids = tokens.local - self._index(vocab_axes) * v_local
         hit = (ids >= 0) & (ids < v_local)
         out = jnp.take(table.local, jnp.clip(ids, 0, v_local - 1), axis=0) * hit[..., None]
-        spec = P(*(tokens.layout.dim_axes(d) or None for d in range(2)), embed_axes or None)
-        return Sharded(out, Layout(self.mesh, spec, vocab_axes), tokens.shape + (table.shape[1],))
+        return Sharded(out, out_layout, tokens.shape + (table.shape[1],))
 
     def rotary(self, x: Sharded, cos: Sharded, sin: Sharded) -> Sharded:
         x = self.complete(x)
-        if x.layout.dim_axes(3):  # the two halves of head_dim must be local
-            x = self.redistribute(x, Layout(self.mesh, P(*(x.layout.dim_axes(d) or None for d in range(3)))))
-        table = Layout(self.mesh, P(x.layout.dim_axes(1) or None))  # rows of the sequence shard
+        target, table = rotary_layouts(x.layout)
+        x = self.redistribute(x, target)
         cos, sin = self.redistribute(cos, table), self.redistribute(sin, table)
         return Sharded(self._local.rotary(x.local, cos.local, sin.local), x.layout, x.shape)
 
     def attention(self, q: Sharded, k: Sharded, v: Sharded, *, causal: bool = True) -> Sharded:
         q = self.complete(q)
-        batch, heads = q.layout.dim_axes(0), q.layout.dim_axes(2)
-        target = Layout(self.mesh, P(batch or None, None, heads or None))  # whole sequence and head_dim
+        target = attention_layout(q.layout)
         q, k, v = (self.redistribute(self.complete(t), target) for t in (q, k, v))
         return Sharded(self._local.attention(q.local, k.local, v.local, causal=causal), target, q.shape)
 
     def cross_entropy(self, logits: Sharded, targets: Sharded) -> Sharded:
         """Mean token loss; with the vocabulary sharded, max and sum-exp combine over its axes."""
         logits = self.complete(logits)
-        lead = [logits.layout.dim_axes(d) or None for d in range(2)]
-        targets = self.redistribute(self.complete(targets), Layout(self.mesh, P(*lead)))
+        targets = self.redistribute(self.complete(targets), loss_targets_layout(logits.layout))
         vocab = self._axes(logits.layout.dim_axes(2))
         l = logits.local  # (B/., S/., V/.)
         m = lax.stop_gradient(jnp.max(l, axis=-1, keepdims=True))

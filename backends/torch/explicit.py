@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ...core import AllGather, AllReduce, Layout, LocalSlice, P, Permute, ReduceScatter, plan_einsum, plan_redistribute
+from ...core.operand_layouts import attention_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout
 from ...core.ops import LogicalDims
 from .collectives import CollectiveLog, all_reduce, run_step, vary
 from .mesh import TorchMesh
@@ -142,7 +143,7 @@ class ExplicitOps:
     def _last_dim(self, x: Sharded, *params: Sharded):
         x = self.complete(x)
         axes = x.layout.dim_axes(x.ndim - 1)
-        vec = Layout(self.mesh, P(axes or None))
+        vec = vector_layout(x.layout, x.ndim)
         params = [self.redistribute(self.complete(p), vec) for p in params]
         aligned = self._align(x, *params)
         return aligned[0], axes, aligned[1:]
@@ -166,39 +167,35 @@ class ExplicitOps:
 
     # -- embedding, positions, attention, loss -----------------------------------------------------------
     def embed(self, table: Sharded, tokens: Sharded) -> Sharded:
-        tokens, table = self.complete(tokens), self.complete(table)
-        tok_axes = set(tokens.layout.spec.axes)
-        keep = lambda axes: tuple(a for a in axes if a not in tok_axes) or None
-        table = self.redistribute(table, Layout(self.mesh, P(keep(table.layout.dim_axes(0)), keep(table.layout.dim_axes(1)))))
-        vocab_axes, embed_axes = table.layout.dim_axes(0), table.layout.dim_axes(1)
+        tokens = self.complete(tokens)
+        target, out_layout = embed_layouts(table.layout, tokens.layout)
+        table = self.redistribute(self.complete(table), target)
+        vocab_axes = target.dim_axes(0)
         v_local = table.local.shape[0]
         ids = tokens.local - self._index(vocab_axes) * v_local
         hit = (ids >= 0) & (ids < v_local)
         table = self._vary_to(table, tokens.varying)  # rows looked up by varying tokens
         out = table.local[ids.clamp(0, v_local - 1)] * hit[..., None]
-        spec = P(*(tokens.layout.dim_axes(d) or None for d in range(2)), embed_axes or None)
-        layout = Layout(self.mesh, spec, vocab_axes)
-        return Sharded(out, layout, tokens.shape + (table.shape[1],), table.varying | tokens.varying | _layout_axes(layout))
+        return Sharded(out, out_layout, tokens.shape + (table.shape[1],),
+                       table.varying | tokens.varying | _layout_axes(out_layout))
 
     def rotary(self, x: Sharded, cos: Sharded, sin: Sharded) -> Sharded:
         x = self.complete(x)
-        if x.layout.dim_axes(3):
-            x = self.redistribute(x, Layout(self.mesh, P(*(x.layout.dim_axes(d) or None for d in range(3)))))
-        table = Layout(self.mesh, P(x.layout.dim_axes(1) or None))
+        target, table = rotary_layouts(x.layout)
+        x = self.redistribute(x, target)
         cos, sin = self.redistribute(cos, table), self.redistribute(sin, table)
         # cos/sin are constants: no gradient, no need to vary them.
         return Sharded(self._local.rotary(x.local, cos.local, sin.local), x.layout, x.shape, x.varying)
 
     def attention(self, q: Sharded, k: Sharded, v: Sharded, *, causal: bool = True) -> Sharded:
         q = self.complete(q)
-        target = Layout(self.mesh, P(q.layout.dim_axes(0) or None, None, q.layout.dim_axes(2) or None))
+        target = attention_layout(q.layout)
         q, k, v = self._align(*(self.redistribute(self.complete(t), target) for t in (q, k, v)))
         return Sharded(self._local.attention(q.local, k.local, v.local, causal=causal), target, q.shape, q.varying)
 
     def cross_entropy(self, logits: Sharded, targets: Sharded) -> Sharded:
         logits = self.complete(logits)
-        lead = [logits.layout.dim_axes(d) or None for d in range(2)]
-        targets = self.redistribute(self.complete(targets), Layout(self.mesh, P(*lead)))
+        targets = self.redistribute(self.complete(targets), loss_targets_layout(logits.layout))
         vocab = logits.layout.dim_axes(2)
         l = logits.local
         m = l.detach().amax(-1, keepdim=True)

@@ -1,8 +1,11 @@
-"""Running a function on N gloo ranks of this machine, one process each.
+"""Starting torch.distributed: parlay's own gloo processes on one machine, or under torchrun.
 
 ``spawn(fn, world_size, *args)`` starts the processes, initialises torch.distributed (gloo) in
 each, calls ``fn(rank, *args)`` and returns the per-rank results. A rank that raises, dies or
 hangs makes ``spawn`` raise one clear error within ``timeout_s``; it never waits forever.
+
+Under ``torchrun`` (one node or many), call ``init_from_env()`` first: NCCL when CUDA is there,
+gloo otherwise, each rank on its local GPU, with the same timeout rule.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["spawn", "RankFailure"]
+__all__ = ["spawn", "init_from_env", "RankFailure"]
 
 
 class RankFailure(RuntimeError):
@@ -91,3 +94,23 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
         for p in procs:
             p.join(timeout=5)
     return [out[r] for r in range(world_size)]
+
+
+def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> str:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT); returns the device type ("cuda" or "cpu")."""
+    import torch
+    import torch.distributed as dist
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_env: {missing} not set; start the program with torchrun, e.g. "
+            f"torchrun --nproc_per_node=4 train.py (or use parlay.backends.torch.spawn on one machine)."
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend or ("nccl" if device == "cuda" else "gloo"),
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return device

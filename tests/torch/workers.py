@@ -60,3 +60,38 @@ def train_steps(rank, preset, cases, steps):
         shards = {k: tuple(m.shape) for k, m in trainer.master.items()}
         out[strategy] = (losses, final if rank == 0 else None, shards)
     return out
+
+
+def dtensor_round_trips(rank):
+    """parlay layouts -> DTensor -> full tensor and back, and DTensor's own redistribution."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from parlay import Layout, P, scatter
+    from parlay.backends.torch.dtensor import from_dtensor, layout_of, to_dtensor
+    from parlay.backends.torch.mesh import TorchMesh
+
+    mesh = Mesh(dp=2, tp=2)
+    tm = TorchMesh(mesh)
+    x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    out = []
+    for layout in [Layout(mesh, P("dp", "tp")), Layout(mesh, P(("dp", "tp"))), Layout(mesh, P(None, "tp")),
+                   Layout(mesh, P("tp"), partial="dp")]:
+        local = torch.from_numpy(scatter(x, layout, rng=0)[rank])
+        dt = to_dtensor(local, layout, tm.device_mesh, x.shape)
+        full = dt.full_tensor().numpy()
+        back_local, back = from_dtensor(dt, mesh)
+        moved = dt.redistribute(tm.device_mesh, [Replicate(), Shard(1)])
+        # Partial: float addends sum back to x up to rounding (values < 100, fp32).
+        out.append((str(layout), np.allclose(full, x, rtol=0, atol=1e-4), back == layout, torch.equal(back_local, local),
+                    from_dtensor(moved, mesh)[1] == Layout(mesh, P(None, "tp"))))
+    try:
+        to_dtensor(torch.zeros(2, 12), Layout(mesh, P(("tp", "dp"))), tm.device_mesh, x.shape)
+        out.append("no error")
+    except ValueError as e:
+        out.append(str(e))
+    try:
+        layout_of([Shard(0), Replicate()], mesh, (7, 4))
+        out.append("no error")
+    except ValueError as e:
+        out.append(str(e))
+    return out

@@ -1,0 +1,21 @@
+"""Run by test_launch.py under torchrun: one dp=2 loss, printed by rank 0 as JSON."""
+
+import json
+
+import numpy as np
+import torch.distributed as dist
+
+from parlay import Mesh
+from parlay.backends.torch.launch import init_from_env
+from parlay.backends.torch.train import ShardedModel
+from parlay.core.model import GPT, PRESETS
+
+device = init_from_env(timeout_s=60)
+model = GPT(PRESETS["tiny-gqa"])
+tokens = np.random.default_rng(0).integers(0, 256, (8, 17))
+sm = ShardedModel(model, "dp", Mesh(dp=dist.get_world_size()), batch=8)
+loss = sm.loss(sm.shard(model.init(0)), tokens[:, :-1], tokens[:, 1:])
+if dist.get_rank() == 0:
+    print(json.dumps({"device": device, "world": dist.get_world_size(), "loss": float(loss.detach())}))
+dist.barrier()  # let every rank finish before gloo tears down
+dist.destroy_process_group()
