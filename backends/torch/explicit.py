@@ -21,6 +21,7 @@ from ...core import AllGather, AllReduce, Layout, LocalSlice, P, Permute, Reduce
 from ...core.operand_layouts import attention_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout
 from ...core.ops import LogicalDims
 from .collectives import CollectiveLog, all_reduce, run_step, vary
+from .grad_sync import GradSync, vary_param
 from .mesh import TorchMesh
 from .ops import TorchOps
 
@@ -45,8 +46,10 @@ def _layout_axes(layout: Layout) -> frozenset:
 
 class ExplicitOps:
     def __init__(self, tm: TorchMesh, *, activation: Callable[[LogicalDims], P],
-                 compute: Callable[[str, LogicalDims], P], log: CollectiveLog | None = None):
+                 compute: Callable[[str, LogicalDims], P], log: CollectiveLog | None = None,
+                 grad_sync: "GradSync | None" = None):
         self.tm, self.mesh = tm, tm.mesh
+        self.grad_sync = grad_sync
         self._activation, self._compute = activation, compute
         self.log = log
         self._local = TorchOps()
@@ -56,7 +59,12 @@ class ExplicitOps:
         missing = [a for a in self.mesh.axis_names if a in axes and a not in x.varying and self.mesh.axis_size(a) > 1]
         if not missing:
             return x
-        return Sharded(vary(x.local, tuple(missing), self.tm, self.log), x.layout, x.shape, x.varying | set(missing))
+        if self.grad_sync is not None and x.local.is_leaf and x.local.requires_grad:
+            # A parameter used as stored: its gradient sum joins a bucket that overlaps backward.
+            local = vary_param(x.local, tuple(missing), self.grad_sync)
+        else:
+            local = vary(x.local, tuple(missing), self.tm, self.log)
+        return Sharded(local, x.layout, x.shape, x.varying | set(missing))
 
     def _align(self, *xs: Sharded) -> list[Sharded]:
         union = frozenset().union(*(x.varying for x in xs))

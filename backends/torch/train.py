@@ -12,6 +12,7 @@ from ...core.model import GPT, TOKENS
 from ...core.strategies import Strategy, get_strategy
 from .collectives import CollectiveLog
 from .explicit import ExplicitOps, Sharded
+from .grad_sync import GradSync
 from .mesh import TorchMesh
 from .ops import TorchOps
 
@@ -29,7 +30,10 @@ def single_loss_and_grads(model: GPT, params: Mapping[str, np.ndarray], tokens, 
 class ShardedModel:
     """The model's parameters as this rank's local shards (storage layouts of the strategy)."""
 
-    def __init__(self, model: GPT, strategy: str | Strategy, mesh: Mesh, *, batch: int | None = None):
+    def __init__(self, model: GPT, strategy: str | Strategy, mesh: Mesh, *, batch: int | None = None,
+                 bucket_bytes: int | None = 25 * 2**20):
+        """``bucket_bytes``: data-parallel gradient sums go in buckets of this size that overlap the
+        backward pass (``None``: one blocking all-reduce per parameter, as the variance rule says)."""
         self.model, self.strategy, self.mesh = model, get_strategy(strategy), mesh
         self.strategy.check(mesh, model.config, batch=batch)
         self.tm = TorchMesh(mesh)
@@ -37,6 +41,7 @@ class ShardedModel:
         self.layouts = {role: self.strategy.layouts(role, dims, mesh, self.shapes)
                         for role in ("params", "compute", "grads", "optimizer")}
         self.log = CollectiveLog()
+        self.grad_sync = GradSync(self.tm, bucket_bytes=bucket_bytes, log=self.log) if bucket_bytes else None
 
     def shard(self, params: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
         rank = self.tm.rank
@@ -50,6 +55,7 @@ class ShardedModel:
             activation=lambda dims: strategy.rules("activations").resolve(dims, mesh, name=f"activation {tuple(dims)}"),
             compute=lambda name, dims: strategy.rules("compute").resolve(dims, mesh, name=name),
             log=self.log,
+            grad_sync=self.grad_sync,
         )
         tok_layout = Layout(mesh, strategy.rules("activations").resolve(TOKENS, mesh))
         tokens, targets = np.asarray(tokens), np.asarray(targets)
@@ -62,6 +68,12 @@ class ShardedModel:
         if loss.varying:
             raise AssertionError(f"the loss still varies over {sorted(loss.varying)}; a reduction is missing")
         return loss.local
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, then wait for the bucketed gradient sums."""
+        loss.backward()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
 
     def gather_grads(self, local_params: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Global gradients (for tests): every rank's grad shard, assembled."""
@@ -139,7 +151,7 @@ class ShardedTrainer:
         for p in self.local.values():
             p.grad = None
         loss = self.sm.loss(self.local, tokens, targets)
-        loss.backward()
+        self.sm.backward(loss)
         mesh, lay = self.sm.mesh, self.sm.layouts
         with torch.no_grad():
             # The global norm counts each element once: a replicated shard is divided by its copies.

@@ -31,9 +31,21 @@ def reference():
 
 @pytest.fixture(scope="module")
 def runs():
+    # Per-parameter gradient all-reduces (bucket_bytes=None): the variance rule as it stands.
     out = spawn(workers.loss_and_grads, 4, "tiny-gqa", CASES_4, timeout_s=300)
     out8 = spawn(workers.loss_and_grads, 8, "tiny-gqa", CASES_8, timeout_s=300)
     return out, out8
+
+
+def test_bucketed_gradient_sync_gives_the_same_gradients(reference):
+    """DDP-style buckets (64 KiB here, so the tiny model fills several) overlapping backward."""
+    cases = [("dp", [("dp", 4)]), ("dp+tp", [("dp", 2), ("tp", 2)]), ("zero1", [("dp", 4)])]
+    results = spawn(workers.loss_and_grads, 4, "tiny-gqa", cases, 64 * 1024, timeout_s=300)
+    _check(results, reference)
+    _, _, _, bwd = results[0]["dp@dp=4"]
+    n_buckets = bwd[("all-reduce", ("dp",))]
+    total = sum(np.prod(s) for s in GPT(PRESETS["tiny-gqa"]).param_shapes().values()) * 4
+    assert n_buckets == pytest.approx(total / (64 * 1024), abs=3) and n_buckets < 21
 
 
 def _check(results, reference):

@@ -17,17 +17,17 @@ def batch(config, seed=0, n=8):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_and_grads(rank, preset, cases):
+def loss_and_grads(rank, preset, cases, bucket_bytes=None):
     """For each (strategy, mesh axes): loss, global grads, forward and backward collective counts."""
     model = GPT(PRESETS[preset])
     params = model.init(0)
     x, y = batch(model.config)
     out = {}
     for strategy, axes in cases:
-        sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x))
+        sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=bucket_bytes)
         local = sm.shard(params)
         loss = sm.loss(local, x, y)
-        loss.backward()
+        sm.backward(loss)
         grads = sm.gather_grads(local)
         count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
         out[strategy + "@" + ",".join(f"{a}={n}" for a, n in axes)] = (float(loss), grads if rank == 0 else None,

@@ -1,0 +1,82 @@
+"""Data-parallel gradient sync in buckets that overlap the backward pass (as DDP does).
+
+A parameter used where values vary over some axes (DP's batch split) has a partial gradient
+there: the variance rule's ``vary`` would all-reduce it on the spot, one blocking call per
+parameter. For parameters used directly (their stored layout is their compute layout), the
+backward instead hands the gradient to a ``GradSync``: gradients are copied into a flat bucket
+per set of axes; a full bucket starts an asynchronous all-reduce while backward goes on; ``finish``
+waits for the last ones and writes the sums into ``param.grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...core import Kind
+from .collectives import CollectiveLog
+from .mesh import TorchMesh
+
+__all__ = ["GradSync", "vary_param"]
+
+
+class GradSync:
+    def __init__(self, tm: TorchMesh, *, bucket_bytes: int = 25 * 2**20, log: CollectiveLog | None = None):
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes}; give a positive size (DDP's default is 25 MiB).")
+        self.tm, self.bucket_bytes, self.log = tm, bucket_bytes, log
+        self._open: dict[tuple, list] = {}  # axes -> [(param, grad)]
+        self._sizes: dict[tuple, int] = {}
+        self._inflight: list = []  # (work, flat, [(param, numel)])
+
+    def add(self, param: torch.Tensor, grad: torch.Tensor, axes: tuple[str, ...]) -> None:
+        self._open.setdefault(axes, []).append((param, grad.detach().reshape(-1)))
+        self._sizes[axes] = self._sizes.get(axes, 0) + grad.numel() * grad.element_size()
+        if self._sizes[axes] >= self.bucket_bytes:
+            self._flush(axes)
+
+    def _flush(self, axes) -> None:
+        entries = self._open.pop(axes, [])
+        self._sizes.pop(axes, None)
+        if not entries:
+            return
+        flat = torch.cat([g for _, g in entries])
+        pg, members = self.tm.group(axes)
+        work = dist.all_reduce(flat, group=pg, async_op=True)
+        if self.log is not None:
+            n = len(members)
+            self.log.record(Kind.ALL_REDUCE, axes, 2 * (n - 1) * flat.numel() // n * flat.element_size(), True)
+        self._inflight.append((work, flat, [(p, g.numel()) for p, g in entries]))
+
+    def finish(self) -> None:
+        """Wait for every bucket and set each parameter's gradient to its sum."""
+        for axes in sorted(self._open):
+            self._flush(axes)
+        for work, flat, params in self._inflight:
+            work.wait()
+            offset = 0
+            for p, n in params:
+                summed = flat[offset:offset + n].view_as(p)
+                if p.grad is None:
+                    p.grad = summed.clone()
+                else:  # autograd accumulated the unreduced gradient; the sum replaces it
+                    p.grad.copy_(summed)
+                offset += n
+        self._inflight.clear()
+
+
+class _VaryParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, sync, axes):
+        ctx.sync, ctx.axes, ctx.param = sync, axes, p
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.sync.add(ctx.param, g, ctx.axes)
+        # The partial gradient goes to autograd as is; GradSync.finish overwrites it with the sum.
+        return g, None, None
+
+
+def vary_param(p: torch.Tensor, axes: tuple[str, ...], sync: GradSync) -> torch.Tensor:
+    return _VaryParam.apply(p, sync, tuple(axes))
