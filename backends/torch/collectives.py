@@ -235,3 +235,49 @@ def vary(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None)
 def all_reduce(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
     """Sum over ``axes`` (norm statistics, the vocabulary-parallel loss); backward identity."""
     return _AllReduce.apply(x, _Ctx(tm, tuple(axes), None, log)) if axes else x
+
+
+class _CoalescedAllGather(torch.autograd.Function):
+    """Several all-gathers over one group as one collective (FSDP's flat parameter): each rank's
+    shards are flattened into one buffer, gathered once, and cut back into tensors. Backward: one
+    reduce-scatter of the flattened gradients."""
+
+    @staticmethod
+    def forward(ctx, c, dims, *xs):
+        ctx.c, ctx.dims, ctx.shapes = c, dims, [x.shape for x in xs]
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        out = torch.empty(c.n * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(out, flat, group=c.pg)
+        c.note(Kind.ALL_GATHER, (c.n - 1) * flat.numel() * flat.element_size(), False)
+        rows = [None] * c.n
+        for slot, member in enumerate(c.to_torch):
+            rows[member] = out[slot * flat.numel():(slot + 1) * flat.numel()]
+        outs, off = [], 0
+        for x, d in zip(xs, dims):
+            n = x.numel()
+            outs.append(torch.cat([r[off:off + n].view(x.shape) for r in rows], d))
+            off += n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        c = ctx.c
+        per_member = [[] for _ in range(c.n)]
+        for g, d in zip(grads, ctx.dims):
+            for m, piece in enumerate(g.chunk(c.n, d)):
+                per_member[m].append(piece.reshape(-1))
+        inp = torch.cat([torch.cat(per_member[m]) for m in c.to_torch]).contiguous()
+        out = torch.empty(inp.numel() // c.n, dtype=inp.dtype, device=inp.device)
+        dist.reduce_scatter_single(out, inp, group=c.pg) if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor(out, inp, group=c.pg)
+        c.note(Kind.REDUCE_SCATTER, (c.n - 1) * out.numel() * out.element_size(), True)
+        local, off = [], 0
+        for shape in ctx.shapes:
+            n = int(torch.Size(shape).numel())
+            local.append(out[off:off + n].view(shape))
+            off += n
+        return (None, None, *local)
+
+
+def all_gather_many(xs, dims, axes, tm: TorchMesh, plan_mesh=None, log: CollectiveLog | None = None):
+    """All-gather each ``xs[i]`` along ``dims[i]`` over ``axes``, as one collective."""
+    return _CoalescedAllGather.apply(_Ctx(tm, tuple(axes), plan_mesh, log), tuple(dims), *xs)

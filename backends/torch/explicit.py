@@ -20,7 +20,7 @@ import torch
 from ...core import AllGather, AllReduce, Layout, LocalSlice, P, Permute, ReduceScatter, plan_einsum, plan_redistribute
 from ...core.operand_layouts import attention_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout
 from ...core.ops import LogicalDims
-from .collectives import CollectiveLog, all_reduce, run_step, vary
+from .collectives import CollectiveLog, all_gather_many, all_reduce, run_step, vary
 from .grad_sync import GradSync, vary_param
 from .mesh import TorchMesh
 from .ops import TorchOps
@@ -50,6 +50,9 @@ class ExplicitOps:
                  grad_sync: "GradSync | None" = None):
         self.tm, self.mesh = tm, tm.mesh
         self.grad_sync = grad_sync
+        # name -> the (name, value, logical dims) of its group, for coalesced gathers (or None)
+        self.param_groups: dict | None = None
+        self._gathered: dict = {}
         self._activation, self._compute = activation, compute
         self.log = log
         self._local = TorchOps()
@@ -105,7 +108,32 @@ class ExplicitOps:
         return idx
 
     def param(self, name: str, value: Sharded, dims: LogicalDims) -> Sharded:
-        return self.redistribute(value, Layout(self.mesh, self._compute(name, dims)))
+        if name in self._gathered:
+            return self._gathered.pop(name)
+        target = Layout(self.mesh, self._compute(name, dims))
+        if self.param_groups is not None and name in self.param_groups:
+            self._gather_group(self.param_groups[name])
+            if name in self._gathered:
+                return self._gathered.pop(name)
+        return self.redistribute(value, target)
+
+    def _gather_group(self, members) -> None:
+        """FSDP's flat parameter: every parameter of a group (a block) whose plan is one
+        all-gather over the same axes is gathered in one collective, at the group's first use."""
+        batches: dict = {}
+        for name, value, dims in members:
+            if name in self._gathered:
+                continue
+            target = Layout(self.mesh, self._compute(name, dims))
+            plan = plan_redistribute(value.layout, target, value.shape, itemsize=value.local.element_size())
+            if len(plan.steps) == 1 and isinstance(plan.steps[0], AllGather) and plan.mesh == self.mesh:
+                batches.setdefault(plan.steps[0].axes, []).append((name, value, plan.steps[0].dim, target))
+        for axes, items in batches.items():
+            outs = all_gather_many([v.local for _, v, _, _ in items], [d for _, _, d, _ in items], axes,
+                                   self.tm, None, self.log)
+            for (name, value, _, target), out in zip(items, outs):
+                self._gathered[name] = Sharded(out, target, value.shape,
+                                               value.varying | set(axes) | _layout_axes(target))
 
     def constrain(self, x: Sharded, dims: LogicalDims) -> Sharded:
         return self.redistribute(x, Layout(self.mesh, self._activation(dims)))

@@ -31,10 +31,13 @@ class ShardedModel:
     """The model's parameters as this rank's local shards (storage layouts of the strategy)."""
 
     def __init__(self, model: GPT, strategy: str | Strategy, mesh: Mesh, *, batch: int | None = None,
-                 bucket_bytes: int | None = 25 * 2**20):
+                 bucket_bytes: int | None = 25 * 2**20, coalesce: bool = True):
         """``bucket_bytes``: data-parallel gradient sums go in buckets of this size that overlap the
-        backward pass (``None``: one blocking all-reduce per parameter, as the variance rule says)."""
+        backward pass (``None``: one blocking all-reduce per parameter, as the variance rule says).
+        ``coalesce``: parameters gathered for use (FSDP) are gathered one block at a time in one
+        collective, and their gradients reduce-scattered likewise."""
         self.model, self.strategy, self.mesh = model, get_strategy(strategy), mesh
+        self.coalesce = coalesce
         self.strategy.check(mesh, model.config, batch=batch)
         self.tm = TorchMesh(mesh)
         dims, self.shapes = model.param_dims(), model.param_shapes()
@@ -64,6 +67,14 @@ class ShardedModel:
                                  frozenset(tok_layout.spec.axes))
         p = {k: Sharded(v, self.layouts["params"][k], self.shapes[k], frozenset(self.layouts["params"][k].spec.axes))
              for k, v in local_params.items()}
+        if self.coalesce:
+            # One gather (and one gradient reduce-scatter) per block, as FSDP's flat parameters.
+            dims = self.model.param_dims()
+            groups: dict = {}
+            for name in p:
+                key = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else name.split(".")[0]
+                groups.setdefault(key, []).append((name, p[name], dims[name]))
+            ops.param_groups = {name: members for members in groups.values() for name, _, _ in members}
         loss = self.model.loss(ops, p, wrap(tokens), wrap(targets))
         if loss.varying:
             raise AssertionError(f"the loss still varies over {sorted(loss.varying)}; a reduction is missing")
@@ -134,10 +145,13 @@ class ShardedTrainer:
         self.local = sharded.shard(params)
         rank = sharded.tm.rank
         lay = sharded.layouts
-        self.master = {k: torch.tensor(np.ascontiguousarray(v[lay["optimizer"][k].shard_slices(v.shape)[rank]]))
+        # Where the optimizer layout is the parameter's own, AdamW steps the parameter in place;
+        # elsewhere (ZeRO) it steps a shard of it.
+        self.shared = {k for k in params if lay["optimizer"][k] == lay["params"][k]}
+        self.master = {k: self.local[k] if k in self.shared else
+                       torch.tensor(np.ascontiguousarray(v[lay["optimizer"][k].shard_slices(v.shape)[rank]]),
+                                    requires_grad=True)
                        for k, v in params.items()}
-        for t in self.master.values():
-            t.requires_grad_(True)
         self.opt = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def _move(self, name: str, x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
@@ -157,10 +171,10 @@ class ShardedTrainer:
             # The global norm counts each element once: a replicated shard is divided by its copies.
             sq = torch.zeros((), dtype=torch.float64)
             for k, m in self.master.items():
-                g = self._move(k, self.local[k].grad, "params", "optimizer")
+                if k not in self.shared:
+                    m.grad = self._move(k, self.local[k].grad, "params", "optimizer").clone()
                 copies = mesh.size // int(np.prod([lay["optimizer"][k].shard_count(d) for d in range(m.ndim)]))
-                sq += (g.double() ** 2).sum() / copies
-                m.grad = g.clone()
+                sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
             dist.all_reduce(sq)
             scale = _clip_scale(torch.sqrt(sq).float(), self.clip)
             for m in self.master.values():
@@ -168,7 +182,8 @@ class ShardedTrainer:
         self.opt.step()
         with torch.no_grad():
             for k, m in self.master.items():
-                self.local[k].copy_(self._move(k, m.detach(), "optimizer", "params"))
+                if k not in self.shared:
+                    self.local[k].copy_(self._move(k, m.detach(), "optimizer", "params"))
         return float(loss.detach())
 
     def gather_params(self) -> dict[str, np.ndarray]:

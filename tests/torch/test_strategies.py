@@ -37,6 +37,17 @@ def runs():
     return out, out8
 
 
+def test_coalesced_fsdp_gathers_give_the_same_gradients(reference):
+    """One all-gather and one reduce-scatter per block (FSDP's flat parameter) instead of one per
+    parameter: same loss and gradients."""
+    cases = [("fsdp", [("dp", 4)]), ("fsdp+tp", [("dp", 2), ("tp", 2)])]
+    results = spawn(workers.loss_and_grads, 4, "tiny-gqa", cases, None, True, timeout_s=300)
+    _check(results, reference)
+    _, _, fwd, bwd = results[0]["fsdp@dp=4"]
+    groups = 2 + 3  # two blocks; embedding, final norm, LM head
+    assert fwd[("all-gather", ("dp",))] == groups and bwd == {("reduce-scatter", ("dp",)): groups}
+
+
 def test_bucketed_gradient_sync_gives_the_same_gradients(reference):
     """DDP-style buckets (64 KiB here, so the tiny model fills several) overlapping backward."""
     cases = [("dp", [("dp", 4)]), ("dp+tp", [("dp", 2), ("tp", 2)]), ("zero1", [("dp", 4)])]

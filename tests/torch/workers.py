@@ -17,14 +17,15 @@ def batch(config, seed=0, n=8):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_and_grads(rank, preset, cases, bucket_bytes=None):
+def loss_and_grads(rank, preset, cases, bucket_bytes=None, coalesce=False):
     """For each (strategy, mesh axes): loss, global grads, forward and backward collective counts."""
     model = GPT(PRESETS[preset])
     params = model.init(0)
     x, y = batch(model.config)
     out = {}
     for strategy, axes in cases:
-        sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=bucket_bytes)
+        sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=bucket_bytes,
+                          coalesce=coalesce)
         local = sm.shard(params)
         loss = sm.loss(local, x, y)
         sm.backward(loss)
