@@ -214,7 +214,7 @@ def main(argv=None) -> int:
                        mlp=4 * args.embed, norm=Norm.RMS)
     rows = spawn(worker, args.ranks, config, args.batch, args.steps, timeout_s=1800)[0]
     print(f"{args.ranks} gloo ranks on the CPU, embed {args.embed}, {args.layers} layers, seq {args.seq}, "
-          f"batch {args.batch}, vocab {args.vocab}; median of {args.steps} training steps (AdamW)\n")
+          f"batch {args.batch}, vocab {args.vocab}; median of {args.steps} training steps (clipping, AdamW)\n")
     print("| parlay | peer | parlay ms/step | peer ms/step | parlay / peer | first loss parlay | first loss peer |")
     print("|---|---|---|---|---|---|---|")
     for ours, label, t_ours, t_peer, l_ours, l_peer in rows:

@@ -29,22 +29,26 @@ class CollectiveLog:
 
     entries: list = field(default_factory=list)
 
-    def record(self, kind: Kind, axes, nbytes: int, backward: bool = False) -> None:
-        self.entries.append((kind, tuple(axes), int(nbytes), backward))
+    def record(self, kind: Kind, axes, nbytes: int, backward: bool = False, source: str = "plan") -> None:
+        """``source``: "plan" for a plan step, "op" for an op's own reduction or ``vary``."""
+        self.entries.append((kind, tuple(axes), int(nbytes), backward, source))
 
-    def counts(self, *, backward: bool | None = None) -> dict:
+    def counts(self, *, backward: bool | None = None, source: str | None = None) -> dict:
         out: dict = {}
-        for kind, axes, _, bwd in self.entries:
-            if kind is not Kind.LOCAL_SLICE and (backward is None or bwd == backward):
+        for kind, axes, _, bwd, src in self.entries:
+            if kind is not Kind.LOCAL_SLICE and (backward is None or bwd == backward) and source in (None, src):
                 out[(kind, axes)] = out.get((kind, axes), 0) + 1
         return out
+
+    def bytes(self, *, backward: bool, source: str) -> int:
+        return sum(b for _, _, b, bwd, src in self.entries if bwd == backward and src == source)
 
 
 class _Ctx:
     """What a collective needs: the group, the member order, this rank's index, and the log."""
 
-    def __init__(self, tm: TorchMesh, axes, plan_mesh, log: CollectiveLog | None):
-        self.axes, self.log = tuple(axes), log
+    def __init__(self, tm: TorchMesh, axes, plan_mesh, log: CollectiveLog | None, source: str = "plan"):
+        self.axes, self.log, self.source = tuple(axes), log, source
         self.pg, self.members = tm.group(self.axes, plan_mesh)
         self.n = len(self.members)
         self.index = self.members.index(tm.rank)
@@ -53,13 +57,13 @@ class _Ctx:
 
     def note(self, kind: Kind, nbytes: int, backward: bool):
         if self.log is not None:
-            self.log.record(kind, self.axes, nbytes, backward)
+            self.log.record(kind, self.axes, nbytes, backward, self.source)
 
 
 def _gather(x: torch.Tensor, dim: int, c: _Ctx, backward: bool) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((c.n * front.shape[0],) + front.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, front, group=c.pg)
+    dist.all_gather_single(out, front, group=c.pg)
     pieces = out.chunk(c.n, 0)  # in torch's (rank) order
     ordered = [None] * c.n
     for slot, member in enumerate(c.to_torch):
@@ -72,7 +76,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, c: _Ctx, backward: bool) -> torch
     pieces = x.movedim(dim, 0).chunk(c.n, 0)  # in plan order
     inp = torch.cat([pieces[m] for m in c.to_torch], 0).contiguous()
     out = torch.empty((inp.shape[0] // c.n,) + inp.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, inp, group=c.pg) if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor(out, inp, group=c.pg)
+    dist.reduce_scatter_single(out, inp, group=c.pg)
     c.note(Kind.REDUCE_SCATTER, (c.n - 1) * x.numel() // c.n * x.element_size(), backward)
     return out.movedim(0, dim)
 
@@ -229,12 +233,12 @@ def run_plan(plan: Plan, x: torch.Tensor, tm: TorchMesh, log: CollectiveLog | No
 
 
 def vary(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
-    return _Vary.apply(x, _Ctx(tm, tuple(axes), None, log)) if axes else x
+    return _Vary.apply(x, _Ctx(tm, tuple(axes), None, log, "op")) if axes else x
 
 
 def all_reduce(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
     """Sum over ``axes`` (norm statistics, the vocabulary-parallel loss); backward identity."""
-    return _AllReduce.apply(x, _Ctx(tm, tuple(axes), None, log)) if axes else x
+    return _AllReduce.apply(x, _Ctx(tm, tuple(axes), None, log, "op")) if axes else x
 
 
 class _CoalescedAllGather(torch.autograd.Function):
@@ -247,7 +251,7 @@ class _CoalescedAllGather(torch.autograd.Function):
         ctx.c, ctx.dims, ctx.shapes = c, dims, [x.shape for x in xs]
         flat = torch.cat([x.reshape(-1) for x in xs])
         out = torch.empty(c.n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(out, flat, group=c.pg)
+        dist.all_gather_single(out, flat, group=c.pg)
         c.note(Kind.ALL_GATHER, (c.n - 1) * flat.numel() * flat.element_size(), False)
         rows = [None] * c.n
         for slot, member in enumerate(c.to_torch):
@@ -268,7 +272,7 @@ class _CoalescedAllGather(torch.autograd.Function):
                 per_member[m].append(piece.reshape(-1))
         inp = torch.cat([torch.cat(per_member[m]) for m in c.to_torch]).contiguous()
         out = torch.empty(inp.numel() // c.n, dtype=inp.dtype, device=inp.device)
-        dist.reduce_scatter_single(out, inp, group=c.pg) if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor(out, inp, group=c.pg)
+        dist.reduce_scatter_single(out, inp, group=c.pg)
         c.note(Kind.REDUCE_SCATTER, (c.n - 1) * out.numel() * out.element_size(), True)
         local, off = [], 0
         for shape in ctx.shapes:

@@ -53,6 +53,7 @@ class ExplicitOps:
         # name -> the (name, value, logical dims) of its group, for coalesced gathers (or None)
         self.param_groups: dict | None = None
         self._gathered: dict = {}
+        self.plans: list = []  # every plan run, in order (with its steps' bytes per rank)
         self._activation, self._compute = activation, compute
         self.log = log
         self._local = TorchOps()
@@ -75,6 +76,8 @@ class ExplicitOps:
 
     # -- moving data ------------------------------------------------------------------------------------
     def _run(self, plan, x: Sharded) -> Sharded:
+        if plan.steps:
+            self.plans.append(plan)
         local, varying = x.local, set(x.varying)
         for step in plan.steps:
             axes = getattr(step, "axes", ())

@@ -45,7 +45,7 @@ class GradSync:
         work = dist.all_reduce(flat, group=pg, async_op=True)
         if self.log is not None:
             n = len(members)
-            self.log.record(Kind.ALL_REDUCE, axes, 2 * (n - 1) * flat.numel() // n * flat.element_size(), True)
+            self.log.record(Kind.ALL_REDUCE, axes, 2 * (n - 1) * flat.numel() // n * flat.element_size(), True, "op")
         self._inflight.append((work, flat, [(p, g.numel()) for p, g in entries]))
 
     def finish(self) -> None:

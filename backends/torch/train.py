@@ -16,7 +16,7 @@ from .grad_sync import GradSync
 from .mesh import TorchMesh
 from .ops import TorchOps
 
-__all__ = ["single_loss_and_grads", "ShardedModel"]
+__all__ = ["single_loss_and_grads", "ShardedModel", "ShardedModule", "ShardedTrainer", "ReferenceTrainer"]
 
 
 def single_loss_and_grads(model: GPT, params: Mapping[str, np.ndarray], tokens, targets):
@@ -75,6 +75,7 @@ class ShardedModel:
                 key = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else name.split(".")[0]
                 groups.setdefault(key, []).append((name, p[name], dims[name]))
             ops.param_groups = {name: members for members in groups.values() for name, _, _ in members}
+        self.last_ops = ops
         loss = self.model.loss(ops, p, wrap(tokens), wrap(targets))
         if loss.varying:
             raise AssertionError(f"the loss still varies over {sorted(loss.varying)}; a reduction is missing")
@@ -142,7 +143,8 @@ class ShardedTrainer:
 
         self.sm, self.clip = sharded, clip
         self._run_plan, self._plan = run_plan, plan_redistribute
-        self.local = sharded.shard(params)
+        self.module = ShardedModule(sharded, params)
+        self.local = dict(self.module.named_parameters())
         rank = sharded.tm.rank
         lay = sharded.layouts
         # Where the optimizer layout is the parameter's own, AdamW steps the parameter in place;
@@ -164,7 +166,7 @@ class ShardedTrainer:
 
         for p in self.local.values():
             p.grad = None
-        loss = self.sm.loss(self.local, tokens, targets)
+        loss = self.module(tokens, targets)
         self.sm.backward(loss)
         mesh, lay = self.sm.mesh, self.sm.layouts
         with torch.no_grad():
@@ -198,3 +200,23 @@ class ShardedTrainer:
                 full[sl] = pieces[r].numpy()
             out[k] = full
         return out
+
+
+class ShardedModule(torch.nn.Module):
+    """The model as a ``torch.nn.Module`` whose parameters are this rank's shards, named as in the
+    neutral parameter tree (``blocks.0.attn.wq``): ``module(tokens, targets)`` is the loss."""
+
+    def __init__(self, sharded: ShardedModel, params: Mapping[str, np.ndarray]):
+        super().__init__()
+        self.sharded = sharded
+        for name, tensor in sharded.shard(params).items():
+            *path, leaf = name.split(".")
+            module = self
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, torch.nn.Parameter(tensor.detach()))
+
+    def forward(self, tokens, targets) -> torch.Tensor:
+        return self.sharded.loss(dict(self.named_parameters()), tokens, targets)

@@ -134,6 +134,17 @@ def test_five_adamw_steps_track_one_process():
     assert results[0]["dp"][2]["blocks.0.mlp.w_in"] == (64, 128)
 
 
+def test_wrapper_counts_equal_the_plans():
+    """Kind, axes, count and bytes of every collective a forward sends, seen by the wrapper from
+    the real tensors, equal what the core plans said, on every rank (sub-axes and permutes included)."""
+    cases = [("tp2d", [("row", 2), ("col", 2)]), ("tp_sp", [("tp", 4)]), ("fsdp+tp", [("dp", 2), ("tp", 2)]),
+             ("ulysses", [("sp", 4)])]
+    for rank, per in enumerate(spawn(workers.plan_bytes_vs_wrapper, 4, cases, timeout_s=300)):
+        for strategy, (planned, seen, planned_counts, seen_counts) in per.items():
+            assert planned > 0 and seen == planned, (rank, strategy, planned, seen)
+            assert seen_counts == planned_counts, (rank, strategy)
+
+
 def test_a_dead_rank_fails_the_others_within_the_timeout():
     with pytest.raises(RankFailure, match=r"rank 1 died \(exit code 3\)|rank [023] failed: .*"):
         spawn(workers.die_mid_step, 4, 1, timeout_s=10)

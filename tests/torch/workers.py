@@ -59,6 +59,9 @@ def train_steps(rank, preset, cases, steps):
         losses = [trainer.step(x, y) for _ in range(steps)]
         final = trainer.gather_params()
         shards = {k: tuple(m.shape) for k, m in trainer.master.items()}
+        names = [n for n, _ in trainer.module.named_parameters()]
+        assert names == list(model.param_shapes()), names[:3]
+        assert all(isinstance(p, torch.nn.Parameter) for p in trainer.module.parameters())
         out[strategy] = (losses, final if rank == 0 else None, shards)
     return out
 
@@ -95,4 +98,28 @@ def dtensor_round_trips(rank):
         out.append("no error")
     except ValueError as e:
         out.append(str(e))
+    return out
+
+
+def plan_bytes_vs_wrapper(rank, cases):
+    """Forward of one step: what the executed plans say this rank sends (kind, axes, count,
+    bytes) against what the collective wrapper saw go out."""
+    from parlay.core import Kind
+
+    model = GPT(PRESETS["tiny-gqa"])
+    params = model.init(0)
+    x, y = batch(model.config)
+    out = {}
+    for strategy, axes in cases:
+        sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), coalesce=False)
+        sm.loss(sm.shard(params), x, y)
+        planned, counts = 0, {}
+        for plan in sm.last_ops.plans:
+            for step, sent in zip(plan.steps, plan.step_bytes):
+                planned += sent[rank]
+                if step.kind is not Kind.LOCAL_SLICE:
+                    key = (step.kind, getattr(step, "axes", ()))
+                    counts[key] = counts.get(key, 0) + 1
+        out[strategy] = (planned, sm.log.bytes(backward=False, source="plan"), counts,
+                         sm.log.counts(backward=False, source="plan"))
     return out
