@@ -11,6 +11,7 @@ Megatron's f operator appear without a line of strategy code.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +35,7 @@ class Sharded:
     layout: Layout
     shape: tuple[int, ...]
     varying: frozenset = frozenset()
+    name: str | None = None  # set on a parameter as stored (its gradient may go to a GradSync)
 
     @property
     def ndim(self) -> int:
@@ -63,9 +65,10 @@ class ExplicitOps:
         missing = [a for a in self.mesh.axis_names if a in axes and a not in x.varying and self.mesh.axis_size(a) > 1]
         if not missing:
             return x
-        if self.grad_sync is not None and x.local.is_leaf and x.local.requires_grad:
-            # A parameter used as stored: its gradient sum joins a bucket that overlaps backward.
-            local = vary_param(x.local, tuple(missing), self.grad_sync)
+        if self.grad_sync is not None and x.name is not None and x.local.is_leaf and x.local.requires_grad:
+            # A parameter used as stored: its gradient sum joins a bucket that overlaps backward,
+            # or (ZeRO-2) is reduce-scattered straight into its shard.
+            local = vary_param(x.local, x.name, x.layout, tuple(missing), self.grad_sync)
         else:
             local = vary(x.local, tuple(missing), self.tm, self.log)
         return Sharded(local, x.layout, x.shape, x.varying | set(missing))
@@ -76,8 +79,9 @@ class ExplicitOps:
 
     # -- moving data ------------------------------------------------------------------------------------
     def _run(self, plan, x: Sharded) -> Sharded:
-        if plan.steps:
-            self.plans.append(plan)
+        if not plan.steps:  # the same data: keep the value (and a parameter's name)
+            return dataclasses.replace(x, layout=plan.dst)
+        self.plans.append(plan)
         local, varying = x.local, set(x.varying)
         for step in plan.steps:
             axes = getattr(step, "axes", ())

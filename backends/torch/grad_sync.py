@@ -21,13 +21,36 @@ __all__ = ["GradSync", "vary_param"]
 
 
 class GradSync:
-    def __init__(self, tm: TorchMesh, *, bucket_bytes: int = 25 * 2**20, log: CollectiveLog | None = None):
+    def __init__(self, tm: TorchMesh, *, bucket_bytes: int = 25 * 2**20, log: CollectiveLog | None = None,
+                 grad_layouts: dict | None = None):
+        """``grad_layouts``: name -> the layout a parameter's gradient must end in. Where it is
+        not the parameter's own (ZeRO-2), the partial gradient goes through the core plan from
+        partial to that layout (a reduce-scatter) into ``sharded[name]``, and ``param.grad``
+        stays None: no rank holds a whole gradient."""
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes}; give a positive size (DDP's default is 25 MiB).")
         self.tm, self.bucket_bytes, self.log = tm, bucket_bytes, log
+        self.grad_layouts = grad_layouts or {}
+        self.sharded: dict[str, torch.Tensor] = {}
         self._open: dict[tuple, list] = {}  # axes -> [(param, grad)]
         self._sizes: dict[tuple, int] = {}
         self._inflight: list = []  # (work, flat, [(param, numel)])
+
+    def reduce_to_layout(self, name: str, layout, grad: torch.Tensor, axes: tuple[str, ...]) -> None:
+        from ...core import plan_redistribute
+        from .collectives import run_plan
+
+        plan = plan_redistribute(layout.replace(partial=axes), self.grad_layouts[name],
+                                 _global_shape(layout, grad.shape), itemsize=grad.element_size())
+        with torch.no_grad():
+            out = run_plan(plan, grad.detach(), self.tm)
+        if self.log is not None:
+            for step, sent in zip(plan.steps, plan.step_bytes):
+                self.log.record(step.kind, getattr(step, "axes", ()), sent[self.tm.rank], True, "op")
+        self.sharded[name] = out if name not in self.sharded else self.sharded[name] + out
+
+    def wants_layout(self, name: str, layout) -> bool:
+        return name in self.grad_layouts and self.grad_layouts[name] != layout
 
     def add(self, param: torch.Tensor, grad: torch.Tensor, axes: tuple[str, ...]) -> None:
         self._open.setdefault(axes, []).append((param, grad.detach().reshape(-1)))
@@ -65,18 +88,25 @@ class GradSync:
         self._inflight.clear()
 
 
+def _global_shape(layout, local_shape) -> tuple[int, ...]:
+    return tuple(n * layout.shard_count(d) for d, n in enumerate(local_shape))
+
+
 class _VaryParam(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, p, sync, axes):
-        ctx.sync, ctx.axes, ctx.param = sync, axes, p
+    def forward(ctx, p, name, layout, axes, sync):
+        ctx.sync, ctx.axes, ctx.param, ctx.name, ctx.layout = sync, axes, p, name, layout
         return p.view_as(p)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.sync.wants_layout(ctx.name, ctx.layout):
+            ctx.sync.reduce_to_layout(ctx.name, ctx.layout, g, ctx.axes)
+            return None, None, None, None, None  # the gradient lives in sync.sharded only
         ctx.sync.add(ctx.param, g, ctx.axes)
         # The partial gradient goes to autograd as is; GradSync.finish overwrites it with the sum.
-        return g, None, None
+        return g, None, None, None, None
 
 
-def vary_param(p: torch.Tensor, axes: tuple[str, ...], sync: GradSync) -> torch.Tensor:
-    return _VaryParam.apply(p, sync, tuple(axes))
+def vary_param(p: torch.Tensor, name: str, layout, axes: tuple[str, ...], sync: GradSync) -> torch.Tensor:
+    return _VaryParam.apply(p, name, layout, tuple(axes), sync)

@@ -44,7 +44,8 @@ class ShardedModel:
         self.layouts = {role: self.strategy.layouts(role, dims, mesh, self.shapes)
                         for role in ("params", "compute", "grads", "optimizer")}
         self.log = CollectiveLog()
-        self.grad_sync = GradSync(self.tm, bucket_bytes=bucket_bytes, log=self.log) if bucket_bytes else None
+        self.grad_sync = (GradSync(self.tm, bucket_bytes=bucket_bytes, log=self.log, grad_layouts=self.layouts["grads"])
+                          if bucket_bytes else None)
 
     def shard(self, params: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
         rank = self.tm.rank
@@ -65,7 +66,7 @@ class ShardedModel:
         sl = tok_layout.shard_slices(tokens.shape)[self.tm.rank]
         wrap = lambda t: Sharded(torch.as_tensor(np.ascontiguousarray(t[sl])), tok_layout, tokens.shape,
                                  frozenset(tok_layout.spec.axes))
-        p = {k: Sharded(v, self.layouts["params"][k], self.shapes[k], frozenset(self.layouts["params"][k].spec.axes))
+        p = {k: Sharded(v, self.layouts["params"][k], self.shapes[k], frozenset(self.layouts["params"][k].spec.axes), k)
              for k, v in local_params.items()}
         if self.coalesce:
             # One gather (and one gradient reduce-scatter) per block, as FSDP's flat parameters.
@@ -83,19 +84,26 @@ class ShardedModel:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, then wait for the bucketed gradient sums."""
+        if self.grad_sync is not None:
+            self.grad_sync.sharded.clear()
         loss.backward()
         if self.grad_sync is not None:
             self.grad_sync.finish()
+
+    def grads(self, local_params: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, Layout]]:
+        """This rank's gradient of each parameter and the layout it is in (ZeRO-2: sharded)."""
+        sharded = self.grad_sync.sharded if self.grad_sync is not None else {}
+        return {k: (sharded[k], self.layouts["grads"][k]) if k in sharded else (v.grad, self.layouts["params"][k])
+                for k, v in local_params.items()}
 
     def gather_grads(self, local_params: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Global gradients (for tests): every rank's grad shard, assembled."""
         import torch.distributed as dist
 
         out = {}
-        for k, v in local_params.items():
-            pieces = [torch.empty_like(v.grad) for _ in range(self.mesh.size)]
-            dist.all_gather(pieces, v.grad.contiguous())
-            layout = self.layouts["params"][k]
+        for k, (g, layout) in self.grads(local_params).items():
+            pieces = [torch.empty_like(g) for _ in range(self.mesh.size)]
+            dist.all_gather(pieces, g.contiguous())
             full = np.empty(self.shapes[k], np.float32)
             for r, sl in enumerate(layout.shard_slices(self.shapes[k])):
                 full[sl] = pieces[r].numpy()
@@ -172,9 +180,12 @@ class ShardedTrainer:
         with torch.no_grad():
             # The global norm counts each element once: a replicated shard is divided by its copies.
             sq = torch.zeros((), dtype=torch.float64)
+            grads = self.sm.grads(self.local)
             for k, m in self.master.items():
+                g, layout = grads[k]
                 if k not in self.shared:
-                    m.grad = self._move(k, self.local[k].grad, "params", "optimizer").clone()
+                    src = "grads" if layout == lay["grads"][k] and layout != lay["params"][k] else "params"
+                    m.grad = self._move(k, g, src, "optimizer").clone()
                 copies = mesh.size // int(np.prod([lay["optimizer"][k].shard_count(d) for d in range(m.ndim)]))
                 sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
             dist.all_reduce(sq)

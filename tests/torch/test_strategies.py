@@ -50,9 +50,12 @@ def test_coalesced_fsdp_gathers_give_the_same_gradients(reference):
 
 def test_bucketed_gradient_sync_gives_the_same_gradients(reference):
     """DDP-style buckets (64 KiB here, so the tiny model fills several) overlapping backward."""
-    cases = [("dp", [("dp", 4)]), ("dp+tp", [("dp", 2), ("tp", 2)]), ("zero1", [("dp", 4)])]
+    cases = [("dp", [("dp", 4)]), ("dp+tp", [("dp", 2), ("tp", 2)]), ("zero1", [("dp", 4)]), ("zero2", [("dp", 4)])]
     results = spawn(workers.loss_and_grads, 4, "tiny-gqa", cases, 64 * 1024, timeout_s=300)
     _check(results, reference)
+    # ZeRO-2: each gradient is reduce-scattered into its shard; no all-reduce, no whole gradient.
+    _, _, _, bwd = results[0]["zero2@dp=4"]
+    assert bwd == {("reduce-scatter", ("dp",)): 21}
     _, _, _, bwd = results[0]["dp@dp=4"]
     n_buckets = bwd[("all-reduce", ("dp",))]
     total = sum(np.prod(s) for s in GPT(PRESETS["tiny-gqa"]).param_shapes().values()) * 4
