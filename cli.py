@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Sequence
 
@@ -130,6 +131,33 @@ def _cmd_redistribute(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_step(args: argparse.Namespace, console: Console) -> int:
+    from .core.model import PRESETS
+    from .core.strategies import get_strategy
+    from .steps_cli import run_steps
+
+    mesh = parse_mesh(args.mesh)
+    if args.model not in PRESETS:
+        raise UsageError(f"--model {args.model!r} is unknown; presets are {', '.join(PRESETS)}")
+    get_strategy(args.strategy)
+    if args.steps < 1 or args.batch < 1:
+        raise UsageError("--steps and --batch must be positive")
+    limit = os.cpu_count() * 16 if args.backend == "torch" else 64
+    if mesh.size > limit:
+        raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; this machine can simulate at most {limit}")
+    rows = run_steps(args.backend, args.model, args.strategy, mesh, batch=args.batch, steps=args.steps,
+                     seed=args.seed, ranks=args.ranks, mode=args.mode)
+    what = f"{args.backend}" + (f" ({args.mode})" if args.backend == "jax" else f" ({mesh.size} gloo ranks)")
+    table = Table(title=f"{args.model}, {args.strategy} on {mesh}, {what}, batch {args.batch}", title_justify="left")
+    table.add_column("step", justify="right")
+    table.add_column("loss", justify="right")
+    table.add_column("ms", justify="right")
+    for i, (loss, sec) in enumerate(rows):
+        table.add_row(str(i + 1), f"{loss:.6f}", f"{1e3 * sec:.1f}")
+    console.print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="parlay", description="Parallel layouts written once, run on PyTorch and JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -147,6 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dst-partial", default="", help="axes over which the destination keeps pending sums")
     r.add_argument("--dtype", default="float32", help="element type, for the byte counts (default float32)")
     r.set_defaults(run=_cmd_redistribute)
+    t = sub.add_parser(
+        "step",
+        help="a few training steps of a preset model with a strategy, on random tokens",
+        description="Training steps of a preset GPT on random tokens: a smoke test of a strategy on a mesh. "
+                    "On the torch backend parlay starts one gloo process per rank itself.",
+    )
+    t.add_argument("--backend", choices=("torch", "jax"), default="torch")
+    t.add_argument("--mesh", required=True, help="mesh axes and sizes, e.g. dp=2,tp=2")
+    t.add_argument("--strategy", required=True, help="e.g. tp, fsdp+tp, dp+tp_sp")
+    t.add_argument("--model", default="tiny", help="a preset: tiny, tiny-gqa, tiny-gpt2, gpt2-small")
+    t.add_argument("--steps", type=int, default=5)
+    t.add_argument("--batch", type=int, default=8)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--ranks", type=int, default=None, help="torch: processes to spawn (default: the mesh size)")
+    t.add_argument("--mode", choices=("explicit", "gspmd"), default="explicit", help="jax: execution mode")
+    t.set_defaults(run=_cmd_step)
     return parser
 
 
@@ -159,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(e) if str(e).startswith("parlay") else f"parlay: {e}", file=sys.stderr)
         return 2
     except (ValueError, TypeError) as e:
-        print(f"parlay: {e}", file=sys.stderr)
+        print(f"parlay: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
 
 

@@ -65,3 +65,27 @@ def test_console_script_and_module_entry_points():
         bad = subprocess.run(cmd + ["redistribute", "--mesh", "dp=3", "--shape", "8", "--src", "dp", "--dst", "None"],
                              capture_output=True, text=True, env=env)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not divisible by 3" in bad.stderr
+
+
+def test_step_spawns_torch_ranks_and_runs_jax(capsys):
+    assert main(["step", "--backend", "torch", "--mesh", "dp=2", "--strategy", "dp", "--steps", "2"]) == 0
+    torch_out = capsys.readouterr().out
+    assert "torch (2 gloo ranks)" in torch_out and "│    2 │" in torch_out
+    assert main(["step", "--backend", "jax", "--mesh", "dp=2", "--strategy", "dp", "--steps", "2"]) == 0
+    jax_out = capsys.readouterr().out
+    # Same weights and tokens: the first step's loss agrees across backends.
+    first = lambda text: float(text.split("│    1 │")[1].split("│")[0])
+    assert abs(first(torch_out) - first(jax_out)) < 1e-5
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["step", "--mesh", "dp=2", "--strategy", "tp"], "parlay: strategy 'tp' cannot run on Mesh(dp=2): strategy 'tp' needs mesh axes"),
+    (["step", "--mesh", "dp=2", "--strategy", "dp", "--model", "nope"], "parlay: --model 'nope' is unknown; presets are tiny"),
+    (["step", "--mesh", "dp=2", "--strategy", "zero4"], "parlay: unknown strategy 'zero4'"),
+    (["step", "--mesh", "dp=4096", "--strategy", "dp"], "parlay: --mesh 'dp=4096' has 4096 ranks; this machine can simulate at most"),
+    (["step", "--mesh", "dp=2", "--strategy", "dp", "--ranks", "3"], "parlay: Mesh(dp=2) has 2 ranks but the world has 3"),
+])
+def test_step_bad_arguments(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and "\n" not in err, err
