@@ -49,8 +49,8 @@ def _layout_axes(layout: Layout) -> frozenset:
 class ExplicitOps:
     def __init__(self, tm: TorchMesh, *, activation: Callable[[LogicalDims], P],
                  compute: Callable[[str, LogicalDims], P], log: CollectiveLog | None = None,
-                 grad_sync: "GradSync | None" = None):
-        self.tm, self.mesh = tm, tm.mesh
+                 grad_sync: "GradSync | None" = None, device: torch.device | str = "cpu"):
+        self.tm, self.mesh, self.device = tm, tm.mesh, torch.device(device)
         self.grad_sync = grad_sync
         # name -> the (name, value, logical dims) of its group, for coalesced gathers (or None)
         self.param_groups: dict | None = None
@@ -147,7 +147,7 @@ class ExplicitOps:
 
     def constant(self, value) -> Sharded:
         value = np.asarray(value)
-        return Sharded(torch.from_numpy(value), Layout(self.mesh, P()), value.shape)
+        return Sharded(torch.from_numpy(value).to(self.device), Layout(self.mesh, P()), value.shape)
 
     # -- linear algebra -------------------------------------------------------------------------------
     def einsum(self, equation: str, *operands: Sharded) -> Sharded:

@@ -31,15 +31,21 @@ class ShardedModel:
     """The model's parameters as this rank's local shards (storage layouts of the strategy)."""
 
     def __init__(self, model: GPT, strategy: str | Strategy, mesh: Mesh, *, batch: int | None = None,
-                 bucket_bytes: int | None = 25 * 2**20, coalesce: bool = True):
+                 bucket_bytes: int | None = 25 * 2**20, coalesce: bool = True, device: str | None = None):
         """``bucket_bytes``: data-parallel gradient sums go in buckets of this size that overlap the
         backward pass (``None``: one blocking all-reduce per parameter, as the variance rule says).
         ``coalesce``: parameters gathered for use (FSDP) are gathered one block at a time in one
-        collective, and their gradients reduce-scattered likewise."""
+        collective, and their gradients reduce-scattered likewise. ``device``: where the shards
+        live; default CUDA (this rank's current device) under NCCL, else the CPU."""
         self.model, self.strategy, self.mesh = model, get_strategy(strategy), mesh
         self.coalesce = coalesce
         self.strategy.check(mesh, model.config, batch=batch)
-        self.tm = TorchMesh(mesh)
+        if device is None:
+            import torch.distributed as dist
+            nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+            device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
+        self.device = torch.device(device)
+        self.tm = TorchMesh(mesh, self.device.type)
         dims, self.shapes = model.param_dims(), model.param_shapes()
         self.layouts = {role: self.strategy.layouts(role, dims, mesh, self.shapes)
                         for role in ("params", "compute", "grads", "optimizer")}
@@ -50,12 +56,13 @@ class ShardedModel:
     def shard(self, params: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
         rank = self.tm.rank
         return {k: torch.tensor(np.ascontiguousarray(v[self.layouts["params"][k].shard_slices(v.shape)[rank]]),
-                                requires_grad=True) for k, v in params.items()}
+                                device=self.device, requires_grad=True) for k, v in params.items()}
 
     def loss(self, local_params: Mapping[str, torch.Tensor], tokens, targets) -> torch.Tensor:
         mesh, strategy = self.mesh, self.strategy
         ops = ExplicitOps(
             self.tm,
+            device=self.device,
             activation=lambda dims: strategy.rules("activations").resolve(dims, mesh, name=f"activation {tuple(dims)}"),
             compute=lambda name, dims: strategy.rules("compute").resolve(dims, mesh, name=name),
             log=self.log,
@@ -64,7 +71,7 @@ class ShardedModel:
         tok_layout = Layout(mesh, strategy.rules("activations").resolve(TOKENS, mesh))
         tokens, targets = np.asarray(tokens), np.asarray(targets)
         sl = tok_layout.shard_slices(tokens.shape)[self.tm.rank]
-        wrap = lambda t: Sharded(torch.as_tensor(np.ascontiguousarray(t[sl])), tok_layout, tokens.shape,
+        wrap = lambda t: Sharded(torch.as_tensor(np.ascontiguousarray(t[sl]), device=self.device), tok_layout, tokens.shape,
                                  frozenset(tok_layout.spec.axes))
         p = {k: Sharded(v, self.layouts["params"][k], self.shapes[k], frozenset(self.layouts["params"][k].spec.axes), k)
              for k, v in local_params.items()}
@@ -106,7 +113,7 @@ class ShardedModel:
             dist.all_gather(pieces, g.contiguous())
             full = np.empty(self.shapes[k], np.float32)
             for r, sl in enumerate(layout.shard_slices(self.shapes[k])):
-                full[sl] = pieces[r].numpy()
+                full[sl] = pieces[r].cpu().numpy()
             out[k] = full
         return out
 
@@ -160,7 +167,7 @@ class ShardedTrainer:
         self.shared = {k for k in params if lay["optimizer"][k] == lay["params"][k]}
         self.master = {k: self.local[k] if k in self.shared else
                        torch.tensor(np.ascontiguousarray(v[lay["optimizer"][k].shard_slices(v.shape)[rank]]),
-                                    requires_grad=True)
+                                    device=sharded.device, requires_grad=True)
                        for k, v in params.items()}
         self.opt = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
@@ -179,7 +186,7 @@ class ShardedTrainer:
         mesh, lay = self.sm.mesh, self.sm.layouts
         with torch.no_grad():
             # The global norm counts each element once: a replicated shard is divided by its copies.
-            sq = torch.zeros((), dtype=torch.float64)
+            sq = torch.zeros((), dtype=torch.float64, device=self.sm.device)
             grads = self.sm.grads(self.local)
             for k, m in self.master.items():
                 g, layout = grads[k]
@@ -208,7 +215,7 @@ class ShardedTrainer:
             dist.all_gather(pieces, v.detach().contiguous())
             full = np.empty(self.sm.shapes[k], np.float32)
             for r, sl in enumerate(self.sm.layouts["params"][k].shard_slices(self.sm.shapes[k])):
-                full[sl] = pieces[r].numpy()
+                full[sl] = pieces[r].cpu().numpy()
             out[k] = full
         return out
 
