@@ -158,6 +158,69 @@ def _cmd_step(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from .compare import BACKENDS, Tolerance, run_compare
+    from .core.model import PRESETS
+    from .core.strategies import get_strategy
+
+    mesh = parse_mesh(args.mesh)
+    if args.model not in PRESETS:
+        raise UsageError(f"--model {args.model!r} is unknown; presets are {', '.join(PRESETS)}")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or not backends:
+        raise UsageError(f"--backends {args.backends!r}: {bad[0] if bad else 'none given'} is not a backend; choose from {','.join(BACKENDS)}")
+    if args.steps < 1 or args.batch < 1:
+        raise UsageError("--steps and --batch must be positive")
+    if mesh.size > 8:
+        raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; compare runs every backend on this machine, at most 8")
+    get_strategy(args.strategy).check(mesh, PRESETS[args.model], batch=args.batch)
+    tol = Tolerance()
+    ref, runs = run_compare(args.model, args.strategy, mesh, steps=args.steps, batch=args.batch,
+                            backends=backends, seed=args.seed)
+    table = Table(title=f"{args.model}, {args.strategy} on {mesh}, batch {args.batch}, stdlib bytes; "
+                        f"loss per step", title_justify="left")
+    table.add_column("step", justify="right")
+    table.add_column("reference (1 device)", justify="right")
+    for r in runs:
+        table.add_column(r.name, justify="right")
+    for i, l0 in enumerate(ref.losses):
+        table.add_row(str(i + 1), f"{l0:.6f}", *(f"{r.losses[i]:.6f}" for r in runs))
+    agree = {}
+    for r in runs:
+        loss_diff = max(abs(a - b) / abs(b) for a, b in zip(r.losses, ref.losses))
+        agree[r.name] = loss_diff <= tol.loss and r.grad_diff <= tol.grad and r.param_diff <= tol.param
+        r.loss_diff = loss_diff
+    table.add_section()
+    table.add_row("", "max rel loss diff", *(f"{r.loss_diff:.1e}" for r in runs))
+    table.add_row("", "step-1 gradients", *(f"{r.grad_diff:.1e}" for r in runs))
+    table.add_row("", f"params after {args.steps}", *(f"{r.param_diff:.1e}" for r in runs))
+    table.add_row("", "agree", *("yes" if agree[r.name] else "NO" for r in runs))
+    console.print(table)
+    console.print(f"tolerance: loss {tol.loss:g} relative, gradients {tol.grad:g} and parameters {tol.param:g} "
+                  f"(per tensor, L2 of the difference over L2 of the reference's gradient / update)")
+    for r in runs:
+        if not agree[r.name]:
+            console.print(f"{r.name} disagrees: worst gradient {r.worst_grad} ({r.grad_diff:.2e}), worst parameter "
+                          f"{r.worst_param} ({r.param_diff:.2e})", style="bold red")
+    if args.json:
+        report = {
+            "model": args.model, "strategy": args.strategy, "mesh": dict(mesh.axes), "steps": args.steps,
+            "batch": args.batch, "seed": args.seed,
+            "tolerance": {"loss": tol.loss, "grad": tol.grad, "param": tol.param},
+            "reference": {"losses": ref.losses},
+            "backends": {r.name: {"losses": r.losses, "max_rel_loss_diff": r.loss_diff,
+                                  "grad_rel_diff": r.grad_diff, "param_rel_diff": r.param_diff,
+                                  "agree": agree[r.name]} for r in runs},
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"report written to {args.json}")
+    return 0 if all(agree.values()) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="parlay", description="Parallel layouts written once, run on PyTorch and JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -191,6 +254,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ranks", type=int, default=None, help="torch: processes to spawn (default: the mesh size)")
     t.add_argument("--mode", choices=("explicit", "gspmd"), default="explicit", help="jax: execution mode")
     t.set_defaults(run=_cmd_step)
+    c = sub.add_parser(
+        "compare",
+        help="the same model, weights and batches on every backend against one device",
+        description="Run the single-device reference, torch (spawned gloo ranks), JAX explicit and JAX GSPMD "
+                    "for N AdamW steps on the Python standard library's bytes; print the losses and the largest "
+                    "relative differences; exit 1 if a backend disagrees beyond the tolerance.",
+    )
+    c.add_argument("--model", default="tiny")
+    c.add_argument("--mesh", default="dp=2,tp=2")
+    c.add_argument("--strategy", default="tp")
+    c.add_argument("--steps", type=int, default=5)
+    c.add_argument("--batch", type=int, default=8)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--backends", default="torch,jax,jax-gspmd", help="which to run against the reference")
+    c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
+    c.set_defaults(run=_cmd_compare)
     return parser
 
 

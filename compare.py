@@ -1,0 +1,126 @@
+"""``parlay compare``: one model, one strategy, one mesh, the same weights and batches, on every
+backend, against the single-device reference.
+
+Runs the reference (JAX, one device), torch (spawned gloo ranks), JAX explicit (shard_map) and
+JAX GSPMD for N AdamW steps; reports each backend's loss per step, the largest relative
+difference of its step-1 gradients, and of its parameters after the last step (per tensor, the
+L2 norm of the difference over the L2 norm of the distance the reference moved them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["BACKENDS", "Tolerance", "BackendRun", "run_compare"]
+
+BACKENDS = ("torch", "jax", "jax-gspmd")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """fp32 sums in another order: losses and gradients agree to ~1e-6 (measured); after AdamW
+    steps single elements near Adam's eps can diverge, hence parameters per tensor (see
+    tests/jax/test_train.py, where 2.2e-4 was measured)."""
+
+    loss: float = 1e-5
+    grad: float = 1e-4
+    param: float = 2e-3
+
+
+@dataclass
+class BackendRun:
+    name: str
+    losses: list[float]
+    grad_diff: float = 0.0
+    param_diff: float = 0.0
+    worst_grad: str = ""
+    worst_param: str = ""
+    grads: dict = field(default_factory=dict, repr=False)
+    params: dict = field(default_factory=dict, repr=False)
+
+
+def _rel(a: dict, b: dict, scale: dict) -> tuple[float, str]:
+    worst, name = 0.0, ""
+    for k in b:
+        denom = np.linalg.norm(scale[k])
+        r = float(np.linalg.norm(a[k] - b[k]) / denom) if denom > 0 else float(np.abs(a[k] - b[k]).max())
+        if r > worst:
+            worst, name = r, k
+    return worst, name
+
+
+def _torch_worker(rank, preset, strategy, axes, batches, seed):
+    from .backends.torch.train import ShardedModel, ShardedTrainer
+    from .core import Mesh
+    from .core.model import GPT, PRESETS
+
+    model = GPT(PRESETS[preset])
+    params = model.init(seed)
+    sm = ShardedModel(model, strategy, Mesh(axes), batch=len(batches[0][0]))
+    trainer = ShardedTrainer(sm, params)
+    x, y = batches[0]
+    loss = sm.loss(trainer.local, x, y)
+    sm.backward(loss)
+    grads = sm.gather_grads(trainer.local)
+    for p in trainer.local.values():
+        p.grad = None
+    losses = [trainer.step(x, y) for x, y in batches]
+    final = trainer.gather_params()
+    return (losses, grads, final) if rank == 0 else None
+
+
+def _jax_run(model, params, batches, mode, strategy=None, mesh=None):
+    from .backends.jax.train import TrainStep
+
+    step = TrainStep(model, strategy=strategy, mesh=mesh, mode=mode, batch=len(batches[0][0]))
+    state = step.init(params)
+    _, grads = step.loss_and_grads(state, *batches[0])
+    losses = []
+    for x, y in batches:
+        state, loss = step(state, x, y)
+        losses.append(float(loss))
+    return losses, grads, step.params(state)
+
+
+def run_compare(preset: str, strategy: str, mesh, *, steps: int, batch: int, backends=BACKENDS, seed: int = 0,
+                corpus=None) -> tuple[BackendRun, list[BackendRun]]:
+    """(reference, [one run per backend]) on batches drawn from ``corpus`` (default: the stdlib)."""
+    from .core.model import GPT, PRESETS
+    from .core.strategies import get_strategy
+    from .data import load_corpus
+
+    model = GPT(PRESETS[preset])
+    get_strategy(strategy).check(mesh, model.config, batch=batch)
+    flag = f"--xla_force_host_platform_device_count={max(mesh.size, 1)}"
+    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    corpus = corpus or load_corpus(max_bytes=2 * 2**20)
+    if model.config.vocab < 256:
+        raise ValueError(f"model {preset!r} has vocab {model.config.vocab}; byte-level text needs 256.")
+    stream = corpus.batches(batch, model.config.seq, seed=seed)
+    batches = [next(stream) for _ in range(steps)]
+    params = model.init(seed)
+
+    ref_losses, ref_grads, ref_params = _jax_run(model, params, batches, "single")
+    reference = BackendRun("reference", ref_losses, grads=ref_grads, params=ref_params)
+    moved = {k: ref_params[k] - params[k] for k in params}
+    runs = []
+    for name in backends:
+        if name == "torch":
+            from .backends.torch.launch import spawn
+
+            losses, grads, final = spawn(_torch_worker, mesh.size, preset, strategy, dict(mesh.axes), batches, seed,
+                                         timeout_s=900)[0]
+        elif name in ("jax", "jax-gspmd"):
+            losses, grads, final = _jax_run(model, params, batches, "explicit" if name == "jax" else "gspmd",
+                                            strategy, mesh)
+        else:
+            raise ValueError(f"backend {name!r} is unknown; choose from {', '.join(BACKENDS)}.")
+        run = BackendRun(name, losses, grads=grads, params=final)
+        run.grad_diff, run.worst_grad = _rel(grads, ref_grads, ref_grads)
+        run.param_diff, run.worst_param = _rel(final, ref_params, moved)
+        runs.append(run)
+    return reference, runs
