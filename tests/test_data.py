@@ -13,7 +13,8 @@ def test_stdlib_corpus_batches_and_entropy():
     assert (x[:, 1:] == y[:, :-1]).all()  # targets are the next bytes
     again = next(corpus.batches(4, 32, seed=0))[0]
     assert (again == x).all()  # seeded
-    assert 3.0 < corpus.unigram_entropy() < np.log(256)
+    # Text and code carry about 4-5 bits per byte (2.8-3.5 nats); uniform bytes would be ln 256.
+    assert 2.0 < corpus.unigram_entropy() < np.log(256)
 
 
 def test_named_files(tmp_path):
