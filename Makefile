@@ -14,9 +14,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# parlay's main job on its default: plan and draw a redistribution.
+# parlay's main job on its default: the same GPT, weights and batches on one device, on torch
+# (4 gloo ranks) and on JAX (explicit and GSPMD), dp+tp on dp=2,tp=2; prints the agreement table
+# and writes out/compare.png.
 demo: $(STAMP)
-	$(BIN)/parlay redistribute --mesh dp=2,tp=4 --shape 8,16 --src "dp,tp" --dst "None,dp"
+	$(BIN)/parlay compare
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

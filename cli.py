@@ -161,7 +161,7 @@ def _cmd_step(args: argparse.Namespace, console: Console) -> int:
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import json
 
-    from .compare import BACKENDS, Tolerance, run_compare
+    from .compare import BACKENDS, Tolerance, plot_compare, run_compare
     from .core.model import PRESETS
     from .core.strategies import get_strategy
 
@@ -201,6 +201,9 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     console.print(f"tolerance: loss {tol.loss:g} relative, gradients {tol.grad:g} and parameters {tol.param:g} "
                   f"(per tensor, L2 of the difference over L2 of the reference's gradient / update)")
+    if args.plot:
+        plot_compare(ref, runs, args.plot, title=f"{args.model}, {args.strategy} on {mesh}", tol=tol)
+        console.print(f"plot written to {args.plot}", soft_wrap=True)
     for r in runs:
         if not agree[r.name]:
             console.print(f"{r.name} disagrees: worst gradient {r.worst_grad} ({r.grad_diff:.2e}), worst parameter "
@@ -217,7 +220,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-        console.print(f"report written to {args.json}")
+        console.print(f"report written to {args.json}", soft_wrap=True)
     return 0 if all(agree.values()) else 1
 
 
@@ -263,12 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--model", default="tiny")
     c.add_argument("--mesh", default="dp=2,tp=2")
-    c.add_argument("--strategy", default="tp")
+    c.add_argument("--strategy", default="dp+tp")
     c.add_argument("--steps", type=int, default=5)
     c.add_argument("--batch", type=int, default=8)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--backends", default="torch,jax,jax-gspmd", help="which to run against the reference")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
+    c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
     c.set_defaults(run=_cmd_compare)
     return parser
 

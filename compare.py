@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["BACKENDS", "Tolerance", "BackendRun", "run_compare"]
+__all__ = ["BACKENDS", "Tolerance", "BackendRun", "run_compare", "plot_compare"]
 
 BACKENDS = ("torch", "jax", "jax-gspmd")
 
@@ -124,3 +124,40 @@ def run_compare(preset: str, strategy: str, mesh, *, steps: int, batch: int, bac
         run.param_diff, run.worst_param = _rel(final, ref_params, moved)
         runs.append(run)
     return reference, runs
+
+
+def plot_compare(reference: BackendRun, runs: list[BackendRun], path: str, *, title: str, tol: Tolerance) -> None:
+    """Loss curves of every backend, each backend's distance from the reference per step, and
+    its gradient and parameter differences against the tolerances."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = np.arange(1, len(reference.losses) + 1)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
+    a.plot(steps, reference.losses, "k-", lw=3, label="reference (1 device)")
+    for r in runs:
+        a.plot(steps, r.losses, "o--", label=r.name)
+    a.set(xlabel="step", ylabel="loss", title="loss")
+    a.legend()
+    for r in runs:
+        diff = [max(abs(x - y) / abs(y), 1e-12) for x, y in zip(r.losses, reference.losses)]
+        b.semilogy(steps, diff, "o-", label=r.name)
+    b.axhline(tol.loss, color="r", ls=":", label="tolerance")
+    b.set(xlabel="step", ylabel="|loss - reference| / reference", title="loss difference (exact: 1e-12)")
+    b.legend()
+    x = np.arange(len(runs))
+    c.bar(x - 0.2, [max(r.grad_diff, 1e-12) for r in runs], 0.4, label="step-1 gradients")
+    c.bar(x + 0.2, [max(r.param_diff, 1e-12) for r in runs], 0.4, label=f"parameters after {len(steps)} steps")
+    c.axhline(tol.grad, color="C0", ls=":")
+    c.axhline(tol.param, color="C1", ls=":")
+    c.set_yscale("log")
+    c.set_xticks(x, [r.name for r in runs])
+    c.set(title="largest rel. difference per tensor\n(dotted: tolerances)")
+    c.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -9,11 +9,13 @@ from parlay.cli import main
 
 def test_compare_agrees_and_writes_the_report(tmp_path, capsys):
     path = tmp_path / "r.json"
+    plot = tmp_path / "plots" / "c.png"
     argv = ["compare", "--model", "tiny", "--mesh", "dp=2,tp=2", "--strategy", "fsdp+tp", "--steps", "2",
-            "--json", str(path)]
+            "--json", str(path), "--plot", str(plot)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "reference (1 device)" in out and "agree" in out
+    assert "reference (1 device)" in out and "agree" in out and f"plot written to {plot}" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     report = json.loads(path.read_text())
     assert set(report["backends"]) == {"torch", "jax", "jax-gspmd"}
     for run in report["backends"].values():
@@ -30,7 +32,8 @@ def test_a_dropped_all_reduce_makes_compare_exit_1(monkeypatch, capsys):
     real = collectives.run_step
     monkeypatch.setattr(collectives, "run_step",
                         lambda step, x, *a: x if isinstance(step, AllReduce) else real(step, x, *a))
-    argv = ["compare", "--model", "tiny", "--mesh", "tp=2", "--strategy", "tp", "--steps", "2", "--backends", "jax"]
+    argv = ["compare", "--model", "tiny", "--mesh", "tp=2", "--strategy", "tp", "--steps", "2", "--backends", "jax",
+            "--plot", ""]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "NO" in out and "jax disagrees" in out
