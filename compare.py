@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .xla_env import use_host_devices
+
 __all__ = ["BACKENDS", "Tolerance", "BackendRun", "run_compare", "plot_compare"]
 
 BACKENDS = ("torch", "jax", "jax-gspmd")
@@ -94,9 +96,7 @@ def run_compare(preset: str, strategy: str, mesh, *, steps: int, batch: int, bac
 
     model = GPT(PRESETS[preset])
     get_strategy(strategy).check(mesh, model.config, batch=batch)
-    flag = f"--xla_force_host_platform_device_count={max(mesh.size, 1)}"
-    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    use_host_devices(mesh.size)
     corpus = corpus or load_corpus(max_bytes=2 * 2**20)
     if model.config.vocab < 256:
         raise ValueError(f"model {preset!r} has vocab {model.config.vocab}; byte-level text needs 256.")

@@ -6,10 +6,11 @@ backend parlay starts one gloo process per rank itself (``--ranks``, default the
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
+
+from .xla_env import use_host_devices
 
 __all__ = ["run_steps"]
 
@@ -46,9 +47,7 @@ def run_steps(backend: str, preset: str, strategy: str, mesh, *, batch: int, ste
         return spawn(_torch_worker, ranks, preset, strategy, dict(mesh.axes), batch, steps, seed,
                      timeout_s=timeout_s)[0]
     if backend == "jax":
-        flag = f"--xla_force_host_platform_device_count={mesh.size}"
-        if "jax" not in __import__("sys").modules and flag not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+        use_host_devices(mesh.size)
         from .backends.jax.train import TrainStep
 
         tokens = np.random.default_rng(seed).integers(0, model.config.vocab, (batch, model.config.seq + 1))

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from parlay.xla_env import use_host_devices
+
+use_host_devices(8)
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's rematerialization warnings
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import os
 
+from parlay.xla_env import use_host_devices
+
 _FLAG = "--xla_force_host_platform_device_count=8"
-if "XLA_FLAGS" not in os.environ:
-    os.environ["XLA_FLAGS"] = _FLAG
-elif "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"] + " " + _FLAG
+use_host_devices(8)
 if __name__ == "__main__":
     # XLA warns "Involuntary full rematerialization" where it replicates to reshard; the table
     # shows those bytes anyway, so as a script keep stderr quiet unless a log level is chosen.

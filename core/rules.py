@@ -9,6 +9,7 @@ or a rule naming an axis the mesh lacks, is an error that lists every offending 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Mapping, Sequence
 
 from .mesh import Mesh
@@ -122,6 +123,10 @@ class Rules:
 
     def resolve(self, dims: LogicalDims, mesh: Mesh, *, name: str = "tensor") -> P:
         """The spec of one tensor whose dims are named ``dims``."""
+        if isinstance(dims, (tuple, list)) and all(d is None or isinstance(d, str) for d in dims):
+            spec = _resolve_ok(self, tuple(dims), mesh)  # executors resolve the same dims every step
+            if spec is not None:
+                return spec
         spec, problems = self._resolve(name, dims, mesh)
         if problems:
             raise RuleError(f"rules do not fit {mesh} for 1 tensor:", problems)
@@ -163,3 +168,10 @@ class Rules:
     def __repr__(self) -> str:
         body = ", ".join(f"({n!r}, {a[0]!r})" if len(a) == 1 else f"({n!r}, {a or None!r})" for n, a in self.rules)
         return f"Rules([{body}])"
+
+
+@lru_cache(maxsize=4096)
+def _resolve_ok(rules: Rules, dims: tuple, mesh: Mesh) -> P | None:
+    """The spec when resolving succeeds (it does not depend on the tensor's name), else None."""
+    spec, problems = rules._resolve("tensor", dims, mesh)
+    return None if problems else spec

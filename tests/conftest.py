@@ -1,8 +1,9 @@
 import os
 
+from parlay.xla_env import use_host_devices
+
 # JAX reads this once, when it first starts: 8 fake CPU devices for the sharding tests.
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+use_host_devices(8)
 
 import sys
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ...core import Layout, Mesh, P, plan_einsum, plan_redistribute
+from ...core import Layout, P, plan_einsum, plan_redistribute
 from ...core.operand_layouts import attention_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout
 from ...core.ops import LogicalDims
 from .collectives import AtomMesh, CollectiveLog, run_plan

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec

@@ -19,6 +19,18 @@ from .ops import TorchOps
 __all__ = ["single_loss_and_grads", "ShardedModel", "ShardedModule", "ShardedTrainer", "ReferenceTrainer"]
 
 
+def _assemble(local: torch.Tensor, layout: Layout, shape) -> np.ndarray:
+    """The global array from every rank's block of ``layout`` (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(local) for _ in range(layout.mesh.size)]
+    dist.all_gather(pieces, local.contiguous())
+    full = np.empty(shape, np.float32)
+    for r, sl in enumerate(layout.shard_slices(shape)):
+        full[sl] = pieces[r].cpu().numpy()
+    return full
+
+
 def single_loss_and_grads(model: GPT, params: Mapping[str, np.ndarray], tokens, targets):
     """The single-process reference: (loss, {name: grad}) as numpy."""
     p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
@@ -105,17 +117,7 @@ class ShardedModel:
 
     def gather_grads(self, local_params: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """Global gradients (for tests): every rank's grad shard, assembled."""
-        import torch.distributed as dist
-
-        out = {}
-        for k, (g, layout) in self.grads(local_params).items():
-            pieces = [torch.empty_like(g) for _ in range(self.mesh.size)]
-            dist.all_gather(pieces, g.contiguous())
-            full = np.empty(self.shapes[k], np.float32)
-            for r, sl in enumerate(layout.shard_slices(self.shapes[k])):
-                full[sl] = pieces[r].cpu().numpy()
-            out[k] = full
-        return out
+        return {k: _assemble(g, layout, self.shapes[k]) for k, (g, layout) in self.grads(local_params).items()}
 
 
 def _clip_scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
@@ -207,17 +209,7 @@ class ShardedTrainer:
         return float(loss.detach())
 
     def gather_params(self) -> dict[str, np.ndarray]:
-        import torch.distributed as dist
-
-        out = {}
-        for k, v in self.local.items():
-            pieces = [torch.empty_like(v) for _ in range(self.sm.mesh.size)]
-            dist.all_gather(pieces, v.detach().contiguous())
-            full = np.empty(self.sm.shapes[k], np.float32)
-            for r, sl in enumerate(self.sm.layouts["params"][k].shard_slices(self.sm.shapes[k])):
-                full[sl] = pieces[r].cpu().numpy()
-            out[k] = full
-        return out
+        return {k: _assemble(v.detach(), self.sm.layouts["params"][k], self.sm.shapes[k]) for k, v in self.local.items()}
 
 
 class ShardedModule(torch.nn.Module):
