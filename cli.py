@@ -179,7 +179,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     get_strategy(args.strategy).check(mesh, PRESETS[args.model], batch=args.batch)
     tol = Tolerance()
     ref, runs = run_compare(args.model, args.strategy, mesh, steps=args.steps, batch=args.batch,
-                            backends=backends, seed=args.seed)
+                            backends=backends, seed=args.seed, tol=tol)
     table = Table(title=f"{args.model}, {args.strategy} on {mesh}, batch {args.batch}, stdlib bytes; "
                         f"loss per step", title_justify="left")
     table.add_column("step", justify="right")
@@ -188,11 +188,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         table.add_column(r.name, justify="right")
     for i, l0 in enumerate(ref.losses):
         table.add_row(str(i + 1), f"{l0:.6f}", *(f"{r.losses[i]:.6f}" for r in runs))
-    agree = {}
-    for r in runs:
-        loss_diff = max(abs(a - b) / abs(b) for a, b in zip(r.losses, ref.losses))
-        agree[r.name] = loss_diff <= tol.loss and r.grad_diff <= tol.grad and r.param_diff <= tol.param
-        r.loss_diff = loss_diff
+    agree = {r.name: r.agree for r in runs}
     table.add_section()
     table.add_row("", "max rel loss diff", *(f"{r.loss_diff:.1e}" for r in runs))
     table.add_row("", "step-1 gradients", *(f"{r.grad_diff:.1e}" for r in runs))
@@ -208,6 +204,9 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         if not agree[r.name]:
             console.print(f"{r.name} disagrees: worst gradient {r.worst_grad} ({r.grad_diff:.2e}), worst parameter "
                           f"{r.worst_param} ({r.param_diff:.2e})", style="bold red")
+            if r.bisect is not None:
+                for line in r.bisect.lines():
+                    console.print(line, soft_wrap=True)
     if args.json:
         report = {
             "model": args.model, "strategy": args.strategy, "mesh": dict(mesh.axes), "steps": args.steps,
@@ -216,7 +215,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
             "reference": {"losses": ref.losses},
             "backends": {r.name: {"losses": r.losses, "max_rel_loss_diff": r.loss_diff,
                                   "grad_rel_diff": r.grad_diff, "param_rel_diff": r.param_diff,
-                                  "agree": agree[r.name]} for r in runs},
+                                  "agree": agree[r.name],
+                                  "bisect": r.bisect.to_json() if r.bisect is not None else None} for r in runs},
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

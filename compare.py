@@ -42,6 +42,9 @@ class BackendRun:
     worst_param: str = ""
     grads: dict = field(default_factory=dict, repr=False)
     params: dict = field(default_factory=dict, repr=False)
+    loss_diff: float = 0.0  # the largest relative loss difference over the steps
+    agree: bool = True
+    bisect: "object | None" = None  # a BisectReport where the run disagrees
 
 
 def _rel(a: dict, b: dict, scale: dict) -> tuple[float, str]:
@@ -88,8 +91,9 @@ def _jax_run(model, params, batches, mode, strategy=None, mesh=None):
 
 
 def run_compare(preset: str, strategy: str, mesh, *, steps: int, batch: int, backends=BACKENDS, seed: int = 0,
-                corpus=None) -> tuple[BackendRun, list[BackendRun]]:
-    """(reference, [one run per backend]) on batches drawn from ``corpus`` (default: the stdlib)."""
+                corpus=None, tol: Tolerance = Tolerance(), bisect: bool = True) -> tuple[BackendRun, list[BackendRun]]:
+    """(reference, [one run per backend]) on batches drawn from ``corpus`` (default: the stdlib).
+    A backend that disagrees beyond ``tol`` is bisected on the first batch (``run.bisect``)."""
     from .core.model import GPT, PRESETS
     from .core.strategies import get_strategy
     from .data import load_corpus
@@ -122,6 +126,13 @@ def run_compare(preset: str, strategy: str, mesh, *, steps: int, batch: int, bac
         run = BackendRun(name, losses, grads=grads, params=final)
         run.grad_diff, run.worst_grad = _rel(grads, ref_grads, ref_grads)
         run.param_diff, run.worst_param = _rel(final, ref_params, moved)
+        run.loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        run.agree = run.loss_diff <= tol.loss and run.grad_diff <= tol.grad and run.param_diff <= tol.param
+        if not run.agree and bisect:
+            from .bisection import bisect as bisect_run
+
+            run.bisect = bisect_run(name, model, strategy, mesh, params, *batches[0], seed=seed, preset=preset,
+                                    ref_grads=ref_grads, grads=grads)
         runs.append(run)
     return reference, runs
 

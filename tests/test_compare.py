@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from parlay.cli import main
@@ -24,19 +25,57 @@ def test_compare_agrees_and_writes_the_report(tmp_path, capsys):
     assert report["reference"]["losses"][1] < report["reference"]["losses"][0]
 
 
-def test_a_dropped_all_reduce_makes_compare_exit_1(monkeypatch, capsys):
-    """Plant a wrong collective in JAX explicit mode (every all-reduce step becomes a no-op)."""
+def _plant_dropped_all_reduce(monkeypatch, layer):
+    """JAX explicit mode with the forward all-reduces of one layer dropped (the step becomes a no-op)."""
     from parlay.backends.jax import collectives
+    from parlay.backends.jax.explicit import ExplicitOps
     from parlay.core import AllReduce
 
-    real = collectives.run_step
-    monkeypatch.setattr(collectives, "run_step",
-                        lambda step, x, *a: x if isinstance(step, AllReduce) else real(step, x, *a))
+    real_param, real_step, scope = ExplicitOps.param, collectives.run_step, {"name": ""}
+
+    def param(self, name, value, dims):
+        scope["name"] = name
+        return real_param(self, name, value, dims)
+
+    def run_step(step, x, *args):
+        return x if isinstance(step, AllReduce) and scope["name"].startswith(layer) else real_step(step, x, *args)
+
+    monkeypatch.setattr(ExplicitOps, "param", param)
+    monkeypatch.setattr(collectives, "run_step", run_step)
+
+
+def test_a_dropped_all_reduce_makes_compare_exit_1_and_the_bisect_names_it(monkeypatch, capsys, tmp_path):
+    _plant_dropped_all_reduce(monkeypatch, "blocks.1.mlp")
+    path = tmp_path / "r.json"
     argv = ["compare", "--model", "tiny", "--mesh", "tp=2", "--strategy", "tp", "--steps", "2", "--backends", "jax",
-            "--plot", ""]
+            "--plot", "", "--json", str(path)]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "NO" in out and "jax disagrees" in out
+    # tp's MLP output is a pending sum over tp; its all-reduce is where the residual is constrained.
+    assert "first op where the runs part: op #" in out and "constrain ('batch', 'seq', 'embed') in blocks.1.mlp" in out
+    assert "first collective that disagrees with its plan: all-reduce(tp)" in out
+    bis = json.loads(path.read_text())["backends"]["jax"]["bisect"]
+    assert bis["first_op"]["layer"] == "blocks.1.mlp" and bis["first_op"]["op"].startswith("constrain")
+    assert bis["first_collective"]["step"] == "all-reduce(tp)" and bis["first_collective"]["layer"] == "blocks.1.mlp"
+    assert bis["first_collective"]["rel_err"] > 0.1
+
+
+def test_bisect_of_agreeing_runs_finds_nothing():
+    """The recorders themselves: every op of both explicit modes and GSPMD equals the reference."""
+    from parlay.bisection import bisect
+    from parlay.core import Mesh
+    from parlay.core.model import GPT, PRESETS
+
+    model = GPT(PRESETS["tiny-gqa"])
+    params = model.init(1)
+    rng = np.random.default_rng(7)
+    x, y = rng.integers(0, 256, (2, 8, 16))
+    for backend in ("jax", "jax-gspmd"):
+        report = bisect(backend, model, "fsdp+tp_sp", Mesh(dp=2, tp=2), params, x, y)
+        assert report.first_op is None and report.first_collective is None and report.structure is None
+        assert report.ops > 60
+    assert report.collectives_checked == 0  # GSPMD: XLA's collectives are not ours to tap
 
 
 @pytest.mark.parametrize("argv, message", [

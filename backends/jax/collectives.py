@@ -132,11 +132,15 @@ def _group_size(names: tuple[str, ...]) -> int:
     return int(np.prod([lax.axis_size(n) for n in names])) if names else 1
 
 
-def run_plan(plan: Plan, x: jax.Array, atoms: AtomMesh, log: CollectiveLog | None = None) -> jax.Array:
+def run_plan(plan: Plan, x: jax.Array, atoms: AtomMesh, log: CollectiveLog | None = None, tap=None) -> jax.Array:
+    """``tap(plan, i, before, after)``, if given, sees each step's local input and output (the
+    bisect checks every collective against the simulator with it)."""
     all_atoms = atoms.atom_names
-    for step, sent in zip(plan.steps, plan.step_bytes):
+    for i, (step, sent) in enumerate(zip(plan.steps, plan.step_bytes)):
         names = atoms.names(getattr(step, "axes", ()), plan.mesh)
-        x = run_step(step, x, names, all_atoms)
+        before, x = x, run_step(step, x, names, all_atoms)
         if log is not None:
             log.record(step, max(sent))
+        if tap is not None:
+            tap(plan, i, before, x)
     return x

@@ -46,6 +46,7 @@ class ExplicitOps:
         self.atoms, self.mesh = atoms, atoms.mesh
         self._activation, self._compute = activation, compute
         self.log = log
+        self.tap = None  # called with (plan, step index, local before, local after) for every plan step
         self._local = JaxOps()  # the same math on local blocks
 
     # -- moving data ---------------------------------------------------------------------------
@@ -53,7 +54,7 @@ class ExplicitOps:
         if x.layout == target:
             return x
         plan = plan_redistribute(x.layout, target, x.shape, itemsize=x.local.dtype.itemsize)
-        return Sharded(run_plan(plan, x.local, self.atoms, self.log), target, x.shape)
+        return Sharded(run_plan(plan, x.local, self.atoms, self.log, self.tap), target, x.shape)
 
     def complete(self, x: Sharded) -> Sharded:
         """Sum pending partials (a nonlinear op needs whole values)."""
@@ -79,7 +80,7 @@ class ExplicitOps:
     def einsum(self, equation: str, *operands: Sharded) -> Sharded:
         plan = plan_einsum(equation, [o.layout for o in operands], [o.shape for o in operands],
                            itemsize=operands[0].local.dtype.itemsize)
-        locals_ = [run_plan(p, o.local, self.atoms, self.log) for p, o in zip(plan.operand_plans, operands)]
+        locals_ = [run_plan(p, o.local, self.atoms, self.log, self.tap) for p, o in zip(plan.operand_plans, operands)]
         return Sharded(self._local.einsum(equation, *locals_), plan.out, plan.out_shape)
 
     def _same(self, x: Sharded, y: Sharded) -> tuple[Sharded, Sharded]:

@@ -130,8 +130,9 @@ class TrainStep:
             return self._explicit_loss(params, tokens, targets)
         return self.model.loss(self._ops(), params, tokens, targets)
 
-    def _explicit_loss(self, params, tokens, targets):
-        """The whole forward in shard_map; every redistribution is a core plan on lax collectives."""
+    def _explicit_loss(self, params, tokens, targets, wrap_ops=None):
+        """The whole forward in shard_map; every redistribution is a core plan on lax collectives.
+        ``wrap_ops(ops)``, if given, wraps the executor (the bisect records every op through it)."""
         mesh, strategy, atoms = self.mesh, self.strategy, self.atoms
         layouts, shapes = self.layouts["params"], self.model.param_shapes()
         tok_layout = Layout(mesh, strategy.rules("activations").resolve(TOKENS, mesh))
@@ -141,6 +142,7 @@ class TrainStep:
 
         def local(p, x, y):
             ops = ExplicitOps(atoms, activation=activation, compute=compute, log=self.log)
+            ops = wrap_ops(ops) if wrap_ops is not None else ops
             p = {k: Sharded(v, layouts[k], shapes[k]) for k, v in p.items()}
             x, y = Sharded(x, tok_layout, tok_shape), Sharded(y, tok_layout, tok_shape)
             return self.model.loss(ops, p, x, y).local

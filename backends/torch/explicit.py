@@ -58,6 +58,7 @@ class ExplicitOps:
         self.plans: list = []  # every plan run, in order (with its steps' bytes per rank)
         self._activation, self._compute = activation, compute
         self.log = log
+        self.tap = None  # called with (plan, step index, local before, local after) for every plan step
         self._local = TorchOps()
 
     # -- variance ------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ class ExplicitOps:
             return dataclasses.replace(x, layout=plan.dst)
         self.plans.append(plan)
         local, varying = x.local, set(x.varying)
-        for step in plan.steps:
+        for i, step in enumerate(plan.steps):
             axes = getattr(step, "axes", ())
             base = {a.partition(".")[0] for a in axes}
             if isinstance(step, (AllGather, ReduceScatter, LocalSlice)):
@@ -97,7 +98,9 @@ class ExplicitOps:
                 rest = [a for a in self.mesh.axis_names if a not in varying and self.mesh.axis_size(a) > 1]
                 local = vary(local, tuple(rest), self.tm, self.log)
                 varying |= set(self.mesh.axis_names)
-            local = run_step(step, local, self.tm, plan.mesh, self.log)
+            before, local = local, run_step(step, local, self.tm, plan.mesh, self.log)
+            if self.tap is not None:
+                self.tap(plan, i, before, local)
         return Sharded(local, plan.dst, x.shape, frozenset(varying) | _layout_axes(plan.dst))
 
     def redistribute(self, x: Sharded, target: Layout) -> Sharded:

@@ -70,7 +70,8 @@ class ShardedModel:
         return {k: torch.tensor(np.ascontiguousarray(v[self.layouts["params"][k].shard_slices(v.shape)[rank]]),
                                 device=self.device, requires_grad=True) for k, v in params.items()}
 
-    def loss(self, local_params: Mapping[str, torch.Tensor], tokens, targets) -> torch.Tensor:
+    def loss(self, local_params: Mapping[str, torch.Tensor], tokens, targets, wrap_ops=None) -> torch.Tensor:
+        """``wrap_ops(ops)``, if given, wraps the executor (the bisect records every op through it)."""
         mesh, strategy = self.mesh, self.strategy
         ops = ExplicitOps(
             self.tm,
@@ -96,7 +97,7 @@ class ShardedModel:
                 groups.setdefault(key, []).append((name, p[name], dims[name]))
             ops.param_groups = {name: members for members in groups.values() for name, _, _ in members}
         self.last_ops = ops
-        loss = self.model.loss(ops, p, wrap(tokens), wrap(targets))
+        loss = self.model.loss(wrap_ops(ops) if wrap_ops is not None else ops, p, wrap(tokens), wrap(targets))
         if loss.varying:
             raise AssertionError(f"the loss still varies over {sorted(loss.varying)}; a reduction is missing")
         return loss.local

@@ -151,3 +151,18 @@ def test_wrapper_counts_equal_the_plans():
 def test_a_dead_rank_fails_the_others_within_the_timeout():
     with pytest.raises(RankFailure, match=r"rank 1 died \(exit code 3\)|rank [023] failed: .*"):
         spawn(workers.die_mid_step, 4, 1, timeout_s=10)
+
+
+def test_bisect_names_a_dropped_all_reduce_on_torch():
+    """The torch recording: every plan step checked against the simulator on gathered blocks."""
+    from parlay.bisection import compare_probes, reference_probes
+
+    model = GPT(PRESETS["tiny"])
+    x, y = workers.batch(model.config, seed=3)
+    probes = spawn(workers.planted_bisect, 4, "blocks.0.attn", x, y, timeout_s=300)[0]
+    report = compare_probes("torch", reference_probes(model, model.init(0), x, y), probes)
+    assert report.first_op.scope == "blocks.0.attn" and report.first_op.op == "constrain ('batch', 'seq', 'embed')"
+    probe, step = report.first_collective
+    assert probe is report.first_op and step.step == "all-reduce(tp)" and step.rel_err > 0.1
+    assert report.collectives_checked == 5  # embed, then attention and MLP outputs of 2 blocks
+    assert all(c.ok for p in probes[:report.first_op.index] for c in p.steps)

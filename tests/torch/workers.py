@@ -123,3 +123,24 @@ def plan_bytes_vs_wrapper(rank, cases):
         out[strategy] = (planned, sm.log.bytes(backward=False, source="plan"), counts,
                          sm.log.counts(backward=False, source="plan"))
     return out
+
+
+def planted_bisect(rank, layer, tokens, targets):
+    """The bisect's torch recording with one layer's forward all-reduces dropped (a planted bug)."""
+    from parlay import bisection
+    from parlay.backends.torch import explicit
+    from parlay.core import AllReduce
+
+    real_param, real_step, scope = explicit.ExplicitOps.param, explicit.run_step, {"name": ""}
+
+    def param(self, name, value, dims):
+        scope["name"] = name
+        return real_param(self, name, value, dims)
+
+    def run_step(step, x, *args):
+        if isinstance(step, AllReduce) and scope["name"].startswith(layer):
+            return x
+        return real_step(step, x, *args)
+
+    explicit.ExplicitOps.param, explicit.run_step = param, run_step
+    return bisection.torch_probe_worker(rank, "tiny", "dp+tp", {"dp": 2, "tp": 2}, tokens, targets, 0)

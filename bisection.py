@@ -1,0 +1,397 @@
+"""Layer-by-layer bisect: where a backend's run of the model parts from the single device's.
+
+The model calls the same neutral ops in the same order on every backend, so the i-th op call of
+one run matches the i-th of another. A ``Recorder`` wraps a backend's ``Ops`` and captures every
+op's output; on an explicit executor (torch, JAX shard_map) it also taps every plan step, and
+each step's output is checked against what the core simulator computes from the step's input:
+that names a collective that does not do what its plan says, independently of the reference.
+
+Values are compared as global arrays: an explicit run's per-rank blocks are assembled with
+``core.sim.gather`` (pending partials summed; replicas that differ are a finding of their own).
+If the forward agrees everywhere, gradients are compared per parameter in backward order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .core.sim import gather, simulate_step
+
+__all__ = ["Probe", "StepCheck", "Recorder", "BisectReport", "bisect", "OP_TOL", "STEP_TOL"]
+
+OP_TOL = 1e-4  # relative L2 difference of an op's output (fp32 sums in another order: ~1e-7)
+STEP_TOL = 1e-5  # a collective against the simulator on the same input: only summation order differs
+
+
+@dataclass
+class StepCheck:
+    """One plan step run inside an op, and how far its output is from the simulator's."""
+
+    plan: str
+    step: str
+    index: int
+    count: int
+    rel_err: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.rel_err is not None and self.rel_err <= STEP_TOL
+
+    def describe(self) -> str:
+        what = f"{self.step} (step {self.index + 1}/{self.count} of {self.plan})"
+        return what + (f": {self.error}" if self.error else f": rel. error {self.rel_err:.1e} against the simulator")
+
+
+@dataclass
+class Probe:
+    """One op call: its name, the layer it belongs to, its output as a global array."""
+
+    index: int
+    op: str
+    scope: str
+    value: np.ndarray | None = None
+    error: str | None = None
+    steps: list[StepCheck] = field(default_factory=list)
+    layout: Any = None
+    pieces: dict = field(default_factory=dict, repr=False)  # rank -> local block (explicit runs)
+
+    @property
+    def where(self) -> str:
+        return f"op #{self.index} {self.op} in {self.scope}"
+
+
+def _describe(name: str, args: Sequence) -> str:
+    if name == "einsum":
+        return f"einsum {args[0]}"
+    if name == "param":
+        return f"param {args[0]}"
+    if name == "constrain":
+        return f"constrain {tuple(args[1])}"
+    return name
+
+
+class Recorder:
+    """An ``Ops`` that forwards every call to ``ops`` and hands each output to ``capture(probe,
+    out)``. ``probe.scope`` is the layer: the dotted prefix of the last parameter the model asked
+    for (``blocks.1.mlp``). On an executor with a ``tap`` attribute, ``on_step(probe, plan, i,
+    before, after)`` sees every plan step run inside the current op."""
+
+    def __init__(self, ops, capture: Callable[[Probe, Any], None], on_step: Callable | None = None):
+        self._ops, self._capture, self._on_step = ops, capture, on_step
+        self.probes: list[Probe] = []
+        self._scope = "input"
+        self._current: Probe | None = None
+        if on_step is not None and hasattr(ops, "tap"):
+            ops.tap = lambda plan, i, before, after: on_step(self._current, plan, i, before, after)
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._ops, name)
+        if name.startswith("_") or not callable(fn):
+            return fn
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if name == "param":
+                self._scope = args[0].rsplit(".", 1)[0]
+            probe = Probe(len(self.probes), _describe(name, args), self._scope)
+            self.probes.append(probe)
+            self._current = probe
+            out = fn(*args, **kwargs)
+            self._capture(probe, out)
+            return out
+
+        return call
+
+
+# -- assembling explicit runs' blocks ---------------------------------------------------------------
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    scale = np.linalg.norm(b)
+    diff = np.linalg.norm(a - b)
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def assemble(probe: Probe, world: int) -> None:
+    """``probe.value`` from ``probe.pieces`` (one block per rank) and ``probe.layout``."""
+    if sorted(probe.pieces) != list(range(world)):
+        probe.error = f"blocks arrived from ranks {sorted(probe.pieces)} of {world}"
+        return
+    try:
+        probe.value = gather([probe.pieces[r] for r in range(world)], probe.layout)
+        probe.pieces = {}
+    except ValueError as e:  # replicas that differ: keep the blocks, to show rank 0's
+        probe.error = str(e)
+
+
+def check_step(plan, i: int, before: Sequence[np.ndarray], after: Sequence[np.ndarray]) -> StepCheck:
+    """Step ``i`` of ``plan`` as run (per-rank inputs and outputs) against ``simulate_step``."""
+    step = plan.steps[i]
+    check = StepCheck(f"{plan.src} -> {plan.dst}", str(step), i, len(plan.steps))
+    expected = simulate_step(step, [np.asarray(b) for b in before], plan.layouts[i])
+    worst = 0.0
+    for r, (got, want) in enumerate(zip(after, expected)):
+        if tuple(np.shape(got)) != tuple(np.shape(want)):
+            check.error = f"rank {r} holds shape {tuple(np.shape(got))}; the plan says {tuple(np.shape(want))}"
+            return check
+        worst = max(worst, _rel(got, want))
+    check.rel_err = worst
+    return check
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+def _stats(x: np.ndarray | None, probe: Probe | None = None) -> str:
+    what = ""
+    if x is None:
+        if probe is None or 0 not in probe.pieces:
+            return "missing"
+        x, what = probe.pieces[0], "rank 0's block: "
+    x = np.asarray(x, np.float64)
+    return f"{what}shape {x.shape}, mean {x.mean():+.4e}, std {x.std():.4e}, max|x| {np.abs(x).max():.4e}"
+
+
+@dataclass
+class BisectReport:
+    backend: str
+    ops: int
+    first_op: Probe | None = None
+    first_op_rel: float | None = None
+    reference_stats: str = ""
+    backend_stats: str = ""
+    first_collective: tuple[Probe, StepCheck] | None = None
+    collectives_checked: int = 0
+    first_grad: tuple[str, float] | None = None
+    grads_compared: bool = False
+    structure: str | None = None  # the two runs called different ops
+
+    def lines(self) -> list[str]:
+        out = [f"bisect of {self.backend} against the reference on the first batch ({self.ops} ops"
+               + (f", {self.collectives_checked} collectives checked against the simulator)" if self.collectives_checked else ")")]
+        if self.structure:
+            out.append(f"  the runs call different ops: {self.structure}")
+        if self.first_op is not None:
+            p = self.first_op
+            out.append(f"  first op where the runs part: {p.where}"
+                       + (f" ({p.error})" if p.error else f" (rel. difference {self.first_op_rel:.2e} > {OP_TOL:g})"))
+            out.append(f"    reference: {self.reference_stats}")
+            out.append(f"    {self.backend}: {self.backend_stats}")
+        if self.first_collective is not None:
+            p, c = self.first_collective
+            out.append(f"  first collective that disagrees with its plan: {c.describe()}, in {p.where}")
+        elif self.collectives_checked:
+            out.append(f"  every collective did what its plan says (rel. error <= {STEP_TOL:g})")
+        if self.first_op is None and not self.structure:
+            out.append(f"  the forward agrees at every op (rel. difference <= {OP_TOL:g})")
+            if self.first_grad is not None:
+                name, rel = self.first_grad
+                out.append(f"  first gradient (in backward order) that differs: {name} (rel. {rel:.2e}): the backward "
+                           f"pass parts there")
+            elif self.grads_compared:
+                out.append("  gradients agree too: the runs part in the optimizer step or later batches")
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "ops": self.ops,
+            "first_op": None if self.first_op is None else {
+                "index": self.first_op.index, "op": self.first_op.op, "layer": self.first_op.scope,
+                "rel_diff": self.first_op_rel, "error": self.first_op.error,
+                "reference": self.reference_stats, "backend": self.backend_stats},
+            "first_collective": None if self.first_collective is None else {
+                "op_index": self.first_collective[0].index, "layer": self.first_collective[0].scope,
+                "step": self.first_collective[1].step, "plan": self.first_collective[1].plan,
+                "rel_err": self.first_collective[1].rel_err, "error": self.first_collective[1].error},
+            "collectives_checked": self.collectives_checked,
+            "first_grad": None if self.first_grad is None else {"name": self.first_grad[0], "rel_diff": self.first_grad[1]},
+            "structure": self.structure,
+        }
+
+
+def compare_probes(backend: str, reference: list[Probe], probes: list[Probe], *, ref_grads=None, grads=None,
+                   grad_order: Sequence[str] = (), grad_tol: float = 1e-4) -> BisectReport:
+    report = BisectReport(backend, len(probes))
+    for a, b in zip(reference, probes):
+        if a.op != b.op:
+            report.structure = f"op #{a.index} is {a.op} on the reference, {b.op} on {backend}"
+            break
+    else:
+        if len(reference) != len(probes):
+            report.structure = f"the reference calls {len(reference)} ops, {backend} {len(probes)}"
+    for a, b in zip(reference, probes):
+        if report.structure and a.op != b.op:
+            break
+        rel = None if b.error else _rel(b.value, a.value)
+        if b.error or rel > OP_TOL:
+            report.first_op, report.first_op_rel = b, rel
+            report.reference_stats, report.backend_stats = _stats(a.value), _stats(b.value, b)
+            break
+    for p in probes:
+        report.collectives_checked += len(p.steps)
+        bad = next((c for c in p.steps if not c.ok), None)
+        if bad is not None and report.first_collective is None:
+            report.first_collective = (p, bad)
+    if ref_grads is not None and grads is not None:
+        report.grads_compared = True
+        for name in grad_order:
+            rel = _rel(grads[name], ref_grads[name])
+            if rel > grad_tol:
+                report.first_grad = (name, rel)
+                break
+    return report
+
+
+# -- recording each backend ---------------------------------------------------------------------------
+
+def reference_probes(model, params, tokens, targets) -> list[Probe]:
+    """The single device (JAX, eager): every op's output."""
+    import jax.numpy as jnp
+
+    from .backends.jax.ops import JaxOps
+
+    rec = Recorder(JaxOps(), lambda probe, out: setattr(probe, "value", np.asarray(out)))
+    model.loss(rec, {k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(tokens), jnp.asarray(targets))
+    return rec.probes
+
+
+def gspmd_probes(model, strategy, mesh, params, tokens, targets) -> list[Probe]:
+    """JAX GSPMD: the ops' outputs are global arrays (XLA picks the collectives: none to tap)."""
+    import jax
+
+    from .backends.jax.distributed import fetch
+    from .backends.jax.train import TrainStep
+
+    step = TrainStep(model, strategy=strategy, mesh=mesh, mode="gspmd", batch=len(tokens))
+    state = step.init(params)
+    holder: dict = {}
+
+    def run(p, x, y):
+        outs: list = []
+        rec = Recorder(step._ops(), lambda probe, out: outs.append(out))
+        holder["rec"] = rec
+        model.loss(rec, p, x, y)
+        return outs
+
+    outs = jax.jit(run)(state["params"], step._place_batch(tokens), step._place_batch(targets))
+    probes = holder["rec"].probes
+    for probe, out in zip(probes, outs):
+        probe.value = fetch(out)
+    return probes
+
+
+def explicit_jax_probes(model, strategy, mesh, params, tokens, targets) -> list[Probe]:
+    """JAX shard_map: each device's block of every op's output and of every plan step's input and
+    output leave the trace through ``jax.debug.callback``; the host assembles and checks them."""
+    import jax
+    from jax import lax
+
+    from .backends.jax.train import TrainStep
+
+    step = TrainStep(model, strategy=strategy, mesh=mesh, mode="explicit", batch=len(tokens))
+    state = step.init(params)
+    atoms = step.atoms.atom_names
+    blocks: dict = {}  # key -> {rank: block}
+    pending: list = []  # (probe, plan, i, key_before, key_after)
+    holder: dict = {}
+
+    def host(key, rank, value):
+        blocks.setdefault(key, {})[int(rank)] = np.asarray(value)
+
+    def emit(key, local):
+        jax.debug.callback(functools.partial(host, key), lax.axis_index(atoms), local)
+
+    def capture(probe, out):
+        probe.layout = out.layout
+        emit(("op", probe.index), out.local)
+
+    def on_step(probe, plan, i, before, after):
+        n = len(pending)
+        emit(("in", n), before)
+        emit(("out", n), after)
+        pending.append((probe, plan, i))
+
+    def wrap(ops):
+        pending.clear()
+        holder["rec"] = Recorder(ops, capture, on_step)
+        return holder["rec"]
+
+    loss = jax.jit(lambda p, x, y: step._explicit_loss(p, x, y, wrap_ops=wrap))(
+        state["params"], step._place_batch(tokens), step._place_batch(targets))
+    jax.block_until_ready(loss)
+    jax.effects_barrier()
+    world = mesh.size
+    probes = holder["rec"].probes
+    for probe in probes:
+        probe.pieces = blocks.get(("op", probe.index), {})
+        assemble(probe, world)
+    for n, (probe, plan, i) in enumerate(pending):
+        before, after = blocks.get(("in", n), {}), blocks.get(("out", n), {})
+        probe.steps.append(check_step(plan, i, [before[r] for r in range(world)], [after[r] for r in range(world)]))
+    return probes
+
+
+def _torch_blocks(local, world: int) -> list[np.ndarray]:
+    import torch
+    import torch.distributed as dist
+
+    local = local.detach().contiguous()
+    pieces = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(pieces, local)
+    return [p.cpu().numpy() for p in pieces]
+
+
+def torch_probe_worker(rank, preset, strategy, axes, tokens, targets, seed, config=None):
+    """One gloo rank: the forward with every op and plan step gathered to every rank."""
+    from .backends.torch.train import ShardedModel
+    from .core import Mesh
+    from .core.model import GPT, PRESETS
+
+    model = GPT(config or PRESETS[preset])
+    mesh = Mesh(axes)
+    sm = ShardedModel(model, strategy, mesh, batch=len(tokens))
+    local = sm.shard(model.init(seed))
+    world = mesh.size
+
+    def capture(probe, out):
+        probe.layout = out.layout
+        probe.pieces = dict(enumerate(_torch_blocks(out.local, world)))
+        assemble(probe, world)
+
+    def on_step(probe, plan, i, before, after):
+        probe.steps.append(check_step(plan, i, _torch_blocks(before, world), _torch_blocks(after, world)))
+
+    holder: dict = {}
+
+    def wrap(ops):
+        holder["rec"] = Recorder(ops, capture, on_step)
+        return holder["rec"]
+
+    sm.loss(local, tokens, targets, wrap_ops=wrap)
+    return holder["rec"].probes if rank == 0 else None
+
+
+def bisect(backend: str, model, strategy, mesh, params, tokens, targets, *, seed: int = 0, preset: str | None = None,
+           ref_grads=None, grads=None) -> BisectReport:
+    """Record the reference and ``backend`` on one batch and name where they part. ``params`` must
+    be ``model.init(seed)`` (torch ranks rebuild them from the seed)."""
+    reference = reference_probes(model, params, tokens, targets)
+    if backend == "torch":
+        from .backends.torch.launch import spawn
+
+        probes = spawn(torch_probe_worker, mesh.size, preset, strategy, dict(mesh.axes), tokens, targets, seed,
+                       model.config, timeout_s=600)[0]
+    elif backend == "jax":
+        probes = explicit_jax_probes(model, strategy, mesh, params, tokens, targets)
+    elif backend == "jax-gspmd":
+        probes = gspmd_probes(model, strategy, mesh, params, tokens, targets)
+    else:
+        raise ValueError(f"bisect: backend {backend!r} is unknown; choose torch, jax or jax-gspmd.")
+    order = [d.name for d in reversed(model.decls())]
+    return compare_probes(backend, reference, probes, ref_grads=ref_grads, grads=grads, grad_order=order)
