@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from typing import Sequence
 
 from rich.console import Console
@@ -224,6 +225,84 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     return 0 if all(agree.values()) else 1
 
 
+def _check_run(args, mesh: Mesh, *, backend: str) -> None:
+    """The flags every training command shares: model, strategy on mesh, sizes, machine limits."""
+    from .core.model import PRESETS
+    from .core.strategies import get_strategy
+
+    if args.model not in PRESETS:
+        raise UsageError(f"--model {args.model!r} is unknown; presets are {', '.join(PRESETS)}")
+    if args.steps < 1 or args.batch < 1:
+        raise UsageError(f"--steps {args.steps} and --batch {args.batch} must be positive")
+    limit = (os.cpu_count() or 1) * 16 if backend == "torch" else 64
+    if mesh.size > limit:
+        raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; this machine can simulate at most {limit} "
+                         f"({'16 gloo processes per core' if backend == 'torch' else 'JAX host devices'})")
+    get_strategy(args.strategy).check(mesh, PRESETS[args.model], batch=args.batch)
+
+
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .core.model import PRESETS
+    from .core.optim import OptimizerConfig
+    from .data import load_corpus
+    from .training import TrainSpec, run_train, spec_json
+
+    mesh = parse_mesh(args.mesh)
+    _check_run(args, mesh, backend=args.backend)
+    if args.eval_every < 1 or args.eval_batches < 0:
+        raise UsageError(f"--eval-every {args.eval_every} must be positive and --eval-batches {args.eval_batches} >= 0")
+    for f in args.data or ():
+        if not os.path.isfile(f):
+            raise UsageError(f"--data {f!r} does not exist or is not a file; name readable text files "
+                             f"(or leave --data out to train on the Python standard library)")
+    optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
+    spec = TrainSpec(backend=args.backend, strategy=args.strategy, mesh=tuple(mesh.axes), preset=args.model,
+                     mode=args.mode, steps=args.steps, batch=args.batch, seed=args.seed, optimizer=optimizer,
+                     eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()))
+    corpus = load_corpus(list(spec.data) or None, max_bytes=spec.max_bytes)  # bad text fails here, before any rank
+    seq = PRESETS[args.model].seq
+    what = f"{args.backend} ({args.mode})" if args.backend == "jax" else f"torch ({mesh.size} gloo ranks)"
+    console.print(f"{args.model}, {args.strategy} on {mesh}, {what}: {args.steps} steps of {args.batch} x {seq} bytes "
+                  f"of {corpus.source} ({len(corpus.train):,} train / {len(corpus.held_out):,} held-out bytes; "
+                  f"unigram entropy {corpus.unigram_entropy():.3f} nats/byte)", soft_wrap=True)
+    columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+               TextColumn("{task.fields[tps]} tok/s"), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=args.steps, loss="-", tps="-")
+        clock = {"t0": None}
+
+        def on_event(event):
+            kind, t, loss = event
+            if kind == "step":
+                now = time.perf_counter()
+                if clock["t0"] is None:
+                    clock["t0"], clock["first"] = now, t
+                done = t - clock["first"]
+                tps = f"{done * args.batch * seq / (now - clock['t0']):,.0f}" if done else "-"
+                progress.update(task, completed=t, loss=f"{loss:.4f}", tps=tps)
+            else:
+                progress.console.print(f"step {t}: held-out loss {loss:.4f}")
+
+        result = run_train(spec, on_event)
+    final = result.evals[-1][1] if result.evals else float("nan")
+    console.print(f"done in {result.seconds:.1f} s ({result.tokens_per_s(spec, seq):,.0f} tokens/s after the first step): "
+                  f"train loss {result.losses[-1]:.4f}, held-out loss {final:.4f} vs unigram entropy "
+                  f"{corpus.unigram_entropy():.4f}", soft_wrap=True)
+    if args.json:
+        report = {**spec_json(spec), "source": corpus.source, "unigram_entropy": corpus.unigram_entropy(),
+                  "losses": result.losses, "eval": [{"step": t, "loss": l} for t, l in result.evals],
+                  "seconds": result.seconds, "tokens_per_s": result.tokens_per_s(spec, seq)}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        console.print(f"losses written to {args.json}", soft_wrap=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="parlay", description="Parallel layouts written once, run on PyTorch and JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -274,6 +353,30 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
     c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
     c.set_defaults(run=_cmd_compare)
+    tr = sub.add_parser(
+        "train",
+        help="train the GPT on text (the standard library's source by default) on either backend",
+        description="Train a preset GPT byte-level on the Python standard library's source files (on every "
+                    "machine) or on --data files, with a held-out tail for evaluation: a progress bar with the "
+                    "loss, tokens/s and ETA, the held-out loss every --eval-every steps.",
+    )
+    tr.add_argument("--backend", choices=("torch", "jax"), default="torch")
+    tr.add_argument("--mode", choices=("explicit", "gspmd"), default="explicit", help="jax: execution mode")
+    tr.add_argument("--mesh", default="dp=2,tp=2", help="mesh axes and sizes (default dp=2,tp=2)")
+    tr.add_argument("--strategy", default="dp+tp", help="e.g. tp, fsdp+tp, dp+tp_sp (default dp+tp)")
+    tr.add_argument("--model", default="tiny", help="a preset: tiny, tiny-gqa, tiny-gpt2, gpt2-small")
+    tr.add_argument("--steps", type=int, default=300)
+    tr.add_argument("--batch", type=int, default=16)
+    tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    tr.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
+    tr.add_argument("--no-cosine", dest="cosine", action="store_false",
+                    help="keep the rate after warmup (default: cosine decay to 10%% at the last step)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--eval-every", type=int, default=50, help="held-out loss every K steps (and at the end)")
+    tr.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    tr.add_argument("--data", nargs="+", default=None, metavar="FILE", help="train on these text files")
+    tr.add_argument("--json", default=None, help="write every step's loss and the evaluations here")
+    tr.set_defaults(run=_cmd_train)
     return parser
 
 

@@ -38,6 +38,16 @@ class Corpus:
             windows = np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int32)
             yield windows[:, :-1], windows[:, 1:]
 
+    def batch_at(self, step: int, batch: int, seq: int, *, seed: int, split: str = "train"):
+        """The (tokens, targets) of training step ``step``: a function of (seed, step) alone, so a
+        run resumed at step k reads what the uninterrupted run read there."""
+        data = self.train if split == "train" else self.held_out
+        if len(data) <= seq + 1:
+            raise ValueError(f"the {split} split of {self.source} has {len(data)} bytes; it needs more than seq+1={seq + 1}.")
+        starts = np.random.default_rng([seed, step, split == "train"]).integers(0, len(data) - seq - 1, batch)
+        windows = np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int32)
+        return windows[:, :-1], windows[:, 1:]
+
     def unigram_entropy(self) -> float:
         """Nats per byte of the held-out bytes' own distribution: what predicting without context gives."""
         counts = np.bincount(self.held_out, minlength=256).astype(np.float64)

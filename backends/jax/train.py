@@ -8,16 +8,17 @@ points, and XLA chooses the collectives.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ...core import Layout, Mesh
 from ...core.model import GPT, TOKENS
+from ...core.optim import OptimizerConfig
 from ...core.strategies import Strategy, get_strategy
 from .collectives import AtomMesh, CollectiveLog
 from .distributed import fetch, put
@@ -34,20 +35,11 @@ class Mode(enum.Enum):
     EXPLICIT = "explicit"  # shard_map + core plans executed with lax collectives
 
 
-@dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip: float = 1.0
-
-
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    lr = cfg.lr if cfg.constant else (lambda count: cfg.lr_at(count, jnp))  # count: updates done so far
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip),
-        optax.adamw(cfg.lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+        optax.adamw(lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay),
     )
 
 
@@ -169,6 +161,12 @@ class TrainStep:
 
     def __call__(self, state, tokens, targets):
         return self._step(state, self._place_batch(tokens), self._place_batch(targets))
+
+    def eval_loss(self, state, tokens, targets) -> float:
+        """The loss alone (no gradients): held-out evaluation."""
+        if not hasattr(self, "_eval"):
+            self._eval = jax.jit(self._loss)
+        return float(fetch(self._eval(state["params"], self._place_batch(tokens), self._place_batch(targets))))
 
     def loss_and_grads(self, state, tokens, targets) -> tuple[float, dict[str, np.ndarray]]:
         loss, grads = self._grads(state["params"], self._place_batch(tokens), self._place_batch(targets))

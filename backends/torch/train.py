@@ -9,6 +9,7 @@ import torch
 
 from ...core import Layout, Mesh
 from ...core.model import GPT, TOKENS
+from ...core.optim import OptimizerConfig
 from ...core.strategies import Strategy, get_strategy
 from .collectives import CollectiveLog
 from .explicit import ExplicitOps, Sharded
@@ -126,14 +127,25 @@ def _clip_scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
     return torch.where(norm < clip, torch.ones_like(norm), clip / norm)
 
 
+def _adamw(params, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def _adamw_step(opt: torch.optim.AdamW, cfg: OptimizerConfig, updates: int) -> int:
+    """One AdamW update at the schedule's rate for update ``updates``; returns the new count."""
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr_at(updates)
+    opt.step()
+    return updates + 1
+
+
 class ReferenceTrainer:
     """Single-process AdamW on the neutral model: the reference for the sharded trainer."""
 
-    def __init__(self, model: GPT, params: Mapping[str, np.ndarray], *, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.1, clip=1.0):
-        self.model, self.clip = model, clip
+    def __init__(self, model: GPT, params: Mapping[str, np.ndarray], *, optimizer: OptimizerConfig = OptimizerConfig()):
+        self.model, self.cfg, self.updates = model, optimizer, 0
         self.params = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.opt = _adamw(list(self.params.values()), optimizer)
 
     def step(self, tokens, targets) -> float:
         self.opt.zero_grad(set_to_none=True)
@@ -141,10 +153,10 @@ class ReferenceTrainer:
         loss.backward()
         with torch.no_grad():
             norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params.values())).float()
-            scale = _clip_scale(norm, self.clip)
+            scale = _clip_scale(norm, self.cfg.clip)
             for p in self.params.values():
                 p.grad.mul_(scale)
-        self.opt.step()
+        self.updates = _adamw_step(self.opt, self.cfg, self.updates)
         return float(loss.detach())
 
 
@@ -154,12 +166,12 @@ class ShardedTrainer:
     optimizer-layout shards, and a core plan moves the updated values back to the parameters'
     layout (ZeRO's all-gather)."""
 
-    def __init__(self, sharded: ShardedModel, params: Mapping[str, np.ndarray], *, lr=1e-3, betas=(0.9, 0.95),
-                 eps=1e-8, weight_decay=0.1, clip=1.0):
+    def __init__(self, sharded: ShardedModel, params: Mapping[str, np.ndarray], *,
+                 optimizer: OptimizerConfig = OptimizerConfig()):
         from .collectives import run_plan
         from ...core import plan_redistribute
 
-        self.sm, self.clip = sharded, clip
+        self.sm, self.cfg, self.updates = sharded, optimizer, 0
         self._run_plan, self._plan = run_plan, plan_redistribute
         self.module = ShardedModule(sharded, params)
         self.local = dict(self.module.named_parameters())
@@ -172,7 +184,7 @@ class ShardedTrainer:
                        torch.tensor(np.ascontiguousarray(v[lay["optimizer"][k].shard_slices(v.shape)[rank]]),
                                     device=sharded.device, requires_grad=True)
                        for k, v in params.items()}
-        self.opt = torch.optim.AdamW(list(self.master.values()), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.opt = _adamw(list(self.master.values()), optimizer)
 
     def _move(self, name: str, x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
         lay = self.sm.layouts
@@ -199,15 +211,20 @@ class ShardedTrainer:
                 copies = mesh.size // int(np.prod([lay["optimizer"][k].shard_count(d) for d in range(m.ndim)]))
                 sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
             dist.all_reduce(sq)
-            scale = _clip_scale(torch.sqrt(sq).float(), self.clip)
+            scale = _clip_scale(torch.sqrt(sq).float(), self.cfg.clip)
             for m in self.master.values():
                 m.grad.mul_(scale)
-        self.opt.step()
+        self.updates = _adamw_step(self.opt, self.cfg, self.updates)
         with torch.no_grad():
             for k, m in self.master.items():
                 if k not in self.shared:
                     self.local[k].copy_(self._move(k, m.detach(), "optimizer", "params"))
         return float(loss.detach())
+
+    def eval_loss(self, tokens, targets) -> float:
+        """The loss alone, no gradients (held-out evaluation)."""
+        with torch.no_grad():
+            return float(self.module(tokens, targets))
 
     def gather_params(self) -> dict[str, np.ndarray]:
         return {k: _assemble(v.detach(), self.sm.layouts["params"][k], self.sm.shapes[k]) for k, v in self.local.items()}
