@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-all test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# Everything, the exhaustive checks included (compare on every strategy: ~5 min more here).
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -m ""
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"

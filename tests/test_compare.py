@@ -88,3 +88,22 @@ def test_bad_flags(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err, err
+
+
+STRATEGY_MESHES = [
+    ("dp", {"dp": 4}), ("zero1", {"dp": 4}), ("zero2", {"dp": 4}), ("fsdp", {"dp": 4}), ("tp", {"tp": 4}),
+    ("tp_sp", {"tp": 4}), ("ulysses", {"sp": 4}), ("tp2d", {"row": 2, "col": 2}), ("fsdp+tp", {"dp": 2, "tp": 2}),
+    ("dp+tp_sp", {"dp": 2, "tp": 2}), ("dp+tp+ulysses", {"dp": 2, "tp": 2, "sp": 2}),
+]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("strategy, axes", STRATEGY_MESHES, ids=[s for s, _ in STRATEGY_MESHES])
+def test_compare_agrees_for_every_strategy_on_every_backend(strategy, axes):
+    from parlay.compare import run_compare
+    from parlay.core import Mesh
+
+    ref, runs = run_compare("tiny-gqa", strategy, Mesh(axes), steps=2, batch=8, bisect=False)
+    assert [r.name for r in runs] == ["torch", "jax", "jax-gspmd"]
+    for r in runs:
+        assert r.agree, (r.name, r.loss_diff, r.grad_diff, r.param_diff)

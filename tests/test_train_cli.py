@@ -43,7 +43,7 @@ def test_training_on_named_files(tmp_path, capsys):
     assert report["source"] == "1 file(s)" and report["eval"][-1]["loss"] < report["unigram_entropy"]
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_torch_training_goes_well_below_the_unigram_entropy(tmp_path, capsys):
     report, _ = _train(tmp_path, capsys, "--backend", "torch", "--mesh", "dp=2,tp=2", "--strategy", "dp+tp",
                        "--steps", "300")
