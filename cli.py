@@ -259,10 +259,27 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         if not os.path.isfile(f):
             raise UsageError(f"--data {f!r} does not exist or is not a file; name readable text files "
                              f"(or leave --data out to train on the Python standard library)")
+    if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):
+        raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be >= 0 and --keep-last {args.keep_last} >= 1")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        raise UsageError("--checkpoint-every and --resume need --checkpoint-dir DIR")
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
     spec = TrainSpec(backend=args.backend, strategy=args.strategy, mesh=tuple(mesh.axes), preset=args.model,
                      mode=args.mode, steps=args.steps, batch=args.batch, seed=args.seed, optimizer=optimizer,
-                     eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()))
+                     eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
+                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                     keep_last=args.keep_last)
+    resume = None
+    if args.resume:
+        from .checkpoint import Checkpoint, latest
+        from .training import check_resume
+
+        resume = latest(args.checkpoint_dir)
+        if resume is None:
+            raise UsageError(f"--resume: {args.checkpoint_dir!r} holds no committed checkpoint (step-NNNNNNNN folders "
+                             f"with a manifest.json)")
+        check_resume(Checkpoint(resume), spec)
+        console.print(f"resuming from {resume}", soft_wrap=True)
     corpus = load_corpus(list(spec.data) or None, max_bytes=spec.max_bytes)  # bad text fails here, before any rank
     seq = PRESETS[args.model].seq
     what = f"{args.backend} ({args.mode})" if args.backend == "jax" else f"torch ({mesh.size} gloo ranks)"
@@ -284,10 +301,12 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                 done = t - clock["first"]
                 tps = f"{done * args.batch * seq / (now - clock['t0']):,.0f}" if done else "-"
                 progress.update(task, completed=t, loss=f"{loss:.4f}", tps=tps)
-            else:
+            elif kind == "eval":
                 progress.console.print(f"step {t}: held-out loss {loss:.4f}")
+            else:
+                progress.console.print(f"step {t}: checkpoint saved to {loss}", soft_wrap=True)
 
-        result = run_train(spec, on_event)
+        result = run_train(spec, on_event, resume=str(resume) if resume else None)
     final = result.evals[-1][1] if result.evals else float("nan")
     console.print(f"done in {result.seconds:.1f} s ({result.tokens_per_s(spec, seq):,.0f} tokens/s after the first step): "
                   f"train loss {result.losses[-1]:.4f}, held-out loss {final:.4f} vs unigram entropy "
@@ -376,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     tr.add_argument("--data", nargs="+", default=None, metavar="FILE", help="train on these text files")
     tr.add_argument("--json", default=None, help="write every step's loss and the evaluations here")
+    tr.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="where checkpoints are saved and resumed from")
+    tr.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps and after the last")
+    tr.add_argument("--keep-last", type=int, default=3, help="committed checkpoints to keep (default 3)")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in --checkpoint-dir (any backend, strategy or mesh) "
+                         "to --steps")
     tr.set_defaults(run=_cmd_train)
     return parser
 
@@ -391,6 +416,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"parlay: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .backends.torch.launch import RankFailure
+
+        if not isinstance(e, RankFailure):
+            raise
+        print(f"parlay: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

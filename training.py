@@ -39,6 +39,9 @@ class TrainSpec:
     eval_batches: int = 8
     data: tuple[str, ...] = ()  # files; empty: the standard library
     max_bytes: int = 16 * 2**20
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # save every K steps (and after the last); 0: never
+    keep_last: int | None = 3  # committed checkpoints kept (None: all)
 
 
 @dataclass
@@ -47,10 +50,13 @@ class TrainResult:
     evals: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
     first_step_s: float = 0.0  # includes compilation / process start
+    last_step_s: float = 0.0
+    steps_run: int = 0  # by this process (a resumed run: after the checkpoint)
 
     def tokens_per_s(self, spec: TrainSpec, seq: int) -> float:
-        steady = self.seconds - self.first_step_s
-        n = len(self.losses) - 1
+        """Between the first step's end and the last's (evaluations included)."""
+        steady = self.last_step_s - self.first_step_s
+        n = self.steps_run - 1
         return n * spec.batch * seq / steady if n > 0 and steady > 0 else 0.0
 
 
@@ -60,17 +66,86 @@ def _corpus(spec: TrainSpec):
     return load_corpus(list(spec.data) or None, max_bytes=spec.max_bytes)
 
 
-def _loop(session, spec: TrainSpec, corpus, emit: Callable, start: int = 0) -> None:
-    """``session.step(x, y) -> loss`` and ``session.eval_loss(x, y) -> loss`` from step ``start``."""
+def config_json(config) -> dict:
+    import enum
+    from dataclasses import fields
+
+    return {f.name: (v.value if isinstance(v, enum.Enum) else v) for f in fields(config)
+            for v in [getattr(config, f.name)]}
+
+
+def _meta(spec: TrainSpec, count: int, history: dict) -> dict:
+    """The run's state besides the tensors: what a resume on any backend needs."""
+    from .core.model import PRESETS
+
+    return {"count": count, "backend": spec.backend, "mode": spec.mode, "preset": spec.preset,
+            "model": config_json(PRESETS[spec.preset]), "mesh": dict(spec.mesh), "strategy": spec.strategy,
+            "optimizer": asdict(spec.optimizer),
+            "data": {"seed": spec.seed, "batch": spec.batch, "files": list(spec.data), "max_bytes": spec.max_bytes},
+            "rng": {"seed": spec.seed, "streams": "training batch t: numpy default_rng([seed, t, 1]); held-out batch "
+                                                  "i: default_rng([seed, i, 0]); the model has no other randomness"},
+            "losses": history["losses"], "evals": history["evals"]}
+
+
+def check_resume(ckpt, spec: TrainSpec) -> None:
+    """A checkpoint continues this run only with the same model, data and optimizer."""
+    from .checkpoint import CheckpointError
+    from .core.model import PRESETS
+
+    where = f"{ckpt.path}/manifest.json"
+    if ckpt.meta("model") != config_json(PRESETS[spec.preset]):
+        raise CheckpointError(f"{where}: field 'model' is {ckpt.meta('model')}; --model {spec.preset} is "
+                              f"{config_json(PRESETS[spec.preset])}")
+    data = ckpt.meta("data")
+    want = {"seed": spec.seed, "batch": spec.batch, "files": list(spec.data), "max_bytes": spec.max_bytes}
+    if data != want:
+        raise CheckpointError(f"{where}: field 'data' is {data}; this run reads {want} (resume with the same "
+                              f"--seed, --batch and --data)")
+    if ckpt.meta("optimizer") != asdict(spec.optimizer):
+        raise CheckpointError(f"{where}: field 'optimizer' is {ckpt.meta('optimizer')}; this run's is "
+                              f"{asdict(spec.optimizer)} (resume with the same --lr, --warmup, --steps)")
+    if ckpt.step >= spec.steps:
+        raise CheckpointError(f"{where}: the checkpoint is at step {ckpt.step}; --steps {spec.steps} is nothing more to do")
+    for key in ("losses", "evals"):
+        if not isinstance(ckpt.meta(key), list):
+            raise CheckpointError(f"{where}: field {key!r} must be a list")
+
+
+def _crash_hook(step: int):
+    """Fault injection for tests: PARLAY_CHECKPOINT_CRASH=STAGE@STEP kills this process with
+    SIGKILL at STAGE ("before-manifest" or "before-rename") of the save of step STEP."""
+    import os
+    import signal
+
+    stage, _, at = os.environ.get("PARLAY_CHECKPOINT_CRASH", "").partition("@")
+    if not stage or at != str(step):
+        return None
+    return lambda where: os.kill(os.getpid(), signal.SIGKILL) if where == stage else None
+
+
+def _loop(session, spec: TrainSpec, corpus, emit: Callable, *, start: int = 0, history: dict | None = None,
+          rank: int = 0, barrier=lambda: None) -> None:
+    """``session.step(x, y) -> loss``, ``session.eval_loss(x, y) -> loss`` and
+    ``session.checkpoint_tensors()`` from step ``start``; saves every ``checkpoint_every`` steps."""
+    from . import checkpoint
     from .core.model import PRESETS
 
     seq = PRESETS[spec.preset].seq
+    history = history or {"losses": [], "evals": []}
     evalset = [corpus.batch_at(i, spec.batch, seq, seed=spec.seed, split="held_out") for i in range(spec.eval_batches)]
     for t in range(start, spec.steps):
         loss = session.step(*corpus.batch_at(t, spec.batch, seq, seed=spec.seed))
+        history["losses"].append(loss)
         emit(("step", t + 1, loss))
         if spec.eval_batches and ((t + 1) % spec.eval_every == 0 or t + 1 == spec.steps):
-            emit(("eval", t + 1, float(np.mean([session.eval_loss(x, y) for x, y in evalset]))))
+            ev = float(np.mean([session.eval_loss(x, y) for x, y in evalset]))
+            history["evals"].append([t + 1, ev])
+            emit(("eval", t + 1, ev))
+        if spec.checkpoint_dir and spec.checkpoint_every and ((t + 1) % spec.checkpoint_every == 0 or t + 1 == spec.steps):
+            tensors, blocks, count = session.checkpoint_tensors()
+            checkpoint.save(spec.checkpoint_dir, t + 1, tensors, blocks, _meta(spec, count, history), lead=rank == 0,
+                            barrier=barrier, keep_last=spec.keep_last, crash_hook=_crash_hook(t + 1))
+            emit(("checkpoint", t + 1, str(checkpoint.step_dir(spec.checkpoint_dir, t + 1))))
 
 
 class _JaxSession:
@@ -91,41 +166,73 @@ class _JaxSession:
     def eval_loss(self, x, y) -> float:
         return self.ts.eval_loss(self.state, x, y)
 
+    def checkpoint_tensors(self):
+        return self.ts.checkpoint_tensors(self.state)
 
-def _torch_worker(rank, spec: TrainSpec, events):
+    def restore(self, ckpt) -> None:
+        self.state = self.ts.restore(ckpt)
+
+
+def _history(ckpt) -> dict:
+    return {"losses": list(ckpt.meta("losses")), "evals": [list(e) for e in ckpt.meta("evals")]} if ckpt else None
+
+
+def _torch_worker(rank, spec: TrainSpec, events, resume: str | None):
+    import torch.distributed as dist
+
     from .backends.torch.train import ShardedModel, ShardedTrainer
+    from .checkpoint import Checkpoint
     from .core import Mesh
     from .core.model import GPT, PRESETS
 
     model = GPT(PRESETS[spec.preset])
     trainer = ShardedTrainer(ShardedModel(model, spec.strategy, Mesh(spec.mesh), batch=spec.batch),
                              model.init(spec.seed), optimizer=spec.optimizer)
-    _loop(trainer, spec, _corpus(spec), events.put if rank == 0 else (lambda e: None))
+    ckpt = Checkpoint(resume) if resume else None
+    if ckpt:
+        trainer.restore(ckpt)
+    _loop(trainer, spec, _corpus(spec), events.put if rank == 0 else (lambda e: None),
+          start=ckpt.step if ckpt else 0, history=_history(ckpt), rank=rank, barrier=dist.barrier)
     if rank == 0:  # flush the events into the pipe before spawn may stop this process
         events.close()
         events.join_thread()
     return None
 
 
-def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: None) -> TrainResult:
-    """Train; ``on_event(("step", t, loss))`` after each step, ``("eval", t, loss)`` after each
-    evaluation (in this process, whichever backend runs)."""
+def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: None, *,
+              resume: str | None = None) -> TrainResult:
+    """Train (from the checkpoint folder ``resume``, if given); ``on_event(("step", t, loss))``
+    after each step, ``("eval", t, loss)`` after each evaluation, ``("checkpoint", t, path)``
+    after each save (in this process, whichever backend runs)."""
+    from .checkpoint import Checkpoint
+
     result = TrainResult()
     start = time.perf_counter()
+    ckpt = Checkpoint(resume) if resume else None
+    if ckpt:
+        check_resume(ckpt, spec)
+        history = _history(ckpt)
+        result.losses, result.evals = list(history["losses"]), [tuple(e) for e in history["evals"]]
+    first = (ckpt.step if ckpt else 0) + 1
 
     def record(event):
-        kind, t, loss = event
+        kind, t, value = event
         if kind == "step":
-            result.losses.append(loss)
-            if t == 1:
+            result.losses.append(value)
+            result.steps_run += 1
+            result.last_step_s = time.perf_counter() - start
+            if t == first:
                 result.first_step_s = time.perf_counter() - start
-        else:
-            result.evals.append((t, loss))
+        elif kind == "eval":
+            result.evals.append((t, value))
         on_event(event)
 
     if spec.backend == "jax":
         use_host_devices(int(np.prod([n for _, n in spec.mesh])))
-        _loop(_JaxSession(spec), spec, _corpus(spec), record)
+        session = _JaxSession(spec)
+        if ckpt:
+            session.restore(ckpt)
+        _loop(session, spec, _corpus(spec), record, start=ckpt.step if ckpt else 0, history=_history(ckpt))
     elif spec.backend == "torch":
         import multiprocessing as mp
 
@@ -136,7 +243,7 @@ def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: Non
 
         def launch():
             try:
-                spawn(_torch_worker, int(np.prod([n for _, n in spec.mesh])), spec, events, timeout_s=3600)
+                spawn(_torch_worker, int(np.prod([n for _, n in spec.mesh])), spec, events, resume, timeout_s=3600)
             except BaseException as e:
                 failure.append(e)
             finally:

@@ -107,9 +107,12 @@ class TrainStep:
         p = self._place(params, "params")
         if self.mode is Mode.SINGLE:
             return {"params": p, "opt": jax.jit(self.tx.init)(p)}
-        # Optimizer states are made where they live (works across processes too).
+        return {"params": p, "opt": self.init_opt(p)}
+
+    def init_opt(self, params):
+        """Optimizer states made where they live, in the optimizer layouts (works across processes)."""
         init = lambda p: jax.tree_util.tree_map_with_path(self._place_opt_leaf, self.tx.init(p))
-        return {"params": p, "opt": jax.jit(init)(p)}
+        return jax.jit(init)(params)
 
     def _place_opt_leaf(self, path, leaf):
         name = getattr(path[-1], "key", None)
@@ -171,6 +174,79 @@ class TrainStep:
     def loss_and_grads(self, state, tokens, targets) -> tuple[float, dict[str, np.ndarray]]:
         loss, grads = self._grads(state["params"], self._place_batch(tokens), self._place_batch(targets))
         return float(fetch(loss)), {k: fetch(v) for k, v in grads.items()}
+
+    # -- checkpoints: blocks in, blocks out (no whole tensor on the host) ----------------------------
+    def _opt_leaves(self, opt):
+        """(kind, name, leaf) for each optimizer-state leaf: ("mu"|"nu", param name) or ("count", None)."""
+        out = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(opt)[0]:
+            attrs = [getattr(k, "name", None) for k in path]
+            name = getattr(path[-1], "key", None)
+            if "mu" in attrs or "nu" in attrs:
+                out.append(("mu" if "mu" in attrs else "nu", name, leaf))
+            elif "count" in attrs:
+                out.append(("count", None, leaf))
+            else:
+                raise ValueError(f"optimizer state leaf at {jax.tree_util.keystr(path)} is not Adam's mu, nu or count.")
+        return out
+
+    def checkpoint_tensors(self, state) -> tuple[list, dict, int]:
+        """For a checkpoint: (tensors, blocks, count). ``tensors``: (name, shape, layout text, pieces)
+        from the arrays' own shards (replica 0 of each block, in the file of the mesh rank whose
+        device holds it); ``blocks``: file -> {key: numpy block}, this process's devices only."""
+        from ...checkpoint import Piece
+
+        if self.mode is Mode.SINGLE:
+            raise ValueError("checkpoints are saved from a sharded run (mode explicit or gspmd), not the single-device reference.")
+        rank_of = {d.id: r for r, d in enumerate(self.jax_mesh.devices.flat)}
+        named = [(f"params/{k}", v, self.layouts["params"][k]) for k, v in state["params"].items()]
+        count = 0
+        for kind, name, leaf in self._opt_leaves(state["opt"]):
+            if kind == "count":
+                count = int(fetch(leaf))
+            else:
+                named.append((f"opt/{kind}/{name}", leaf, self.layouts["optimizer"][name]))
+        tensors, blocks = [], {}
+        for name, arr, layout in named:
+            pieces: dict = {}
+            for dev, index in arr.sharding.devices_indices_map(arr.shape).items():
+                start = tuple(sl.indices(n)[0] for sl, n in zip(index, arr.shape))
+                stop = tuple(sl.indices(n)[1] for sl, n in zip(index, arr.shape))
+                if (start, stop) not in pieces:
+                    pieces[(start, stop)] = Piece(f"rank-{rank_of[dev.id]:05d}.safetensors",
+                                                  f"{name}@{','.join(map(str, start))}", start, stop)
+            for shard in arr.addressable_shards:
+                start = tuple(sl.indices(n)[0] for sl, n in zip(shard.index, arr.shape))
+                stop = tuple(sl.indices(n)[1] for sl, n in zip(shard.index, arr.shape))
+                piece = pieces[(start, stop)]
+                if piece.file == f"rank-{rank_of[shard.device.id]:05d}.safetensors":
+                    blocks.setdefault(piece.file, {})[piece.key] = np.asarray(shard.data)
+            tensors.append((name, tuple(arr.shape), str(layout), list(pieces.values())))
+        return tensors, blocks, count
+
+    def restore(self, ckpt) -> dict:
+        """A state from a checkpoint saved by any backend, strategy or mesh: each device's block
+        is read from the pieces it overlaps."""
+        shapes = self.model.param_shapes()
+
+        def load(name, shape, sharding):
+            return jax.make_array_from_callback(tuple(shape), sharding, lambda index: ckpt.read(
+                name, tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape)), shape=shape))
+
+        if self.mode is Mode.SINGLE:
+            raise ValueError("restore into a sharded run (mode explicit or gspmd).")
+        params = {k: load(f"params/{k}", shapes[k], self._sharding(self.layouts["params"][k])) for k in shapes}
+        count = ckpt.meta("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"{ckpt.path}/manifest.json: field 'count' must be a non-negative int, not {count!r}")
+        opt = self.init_opt(params)
+        leaves = []
+        for kind, name, leaf in self._opt_leaves(opt):
+            if kind == "count":
+                leaves.append(jax.device_put(np.asarray(count, leaf.dtype), leaf.sharding))
+            else:
+                leaves.append(load(f"opt/{kind}/{name}", shapes[name], leaf.sharding))
+        return {"params": params, "opt": jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt), leaves)}
 
     def params(self, state) -> dict[str, np.ndarray]:
         return {k: fetch(v) for k, v in state["params"].items()}
