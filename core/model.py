@@ -18,7 +18,7 @@ import numpy as np
 from .ops import LogicalDims, Ops
 
 __all__ = [
-    "Init", "ParamDecl", "Norm", "Activation", "GPTConfig", "PRESETS", "GPT",
+    "Init", "ParamDecl", "Norm", "Activation", "Positions", "GPTConfig", "PRESETS", "GPT",
     "Embedding", "Linear", "RMSNorm", "LayerNorm", "Attention", "MLP", "Block",
     "init_params", "rotary_tables",
 ]
@@ -131,6 +131,11 @@ class Activation(enum.Enum):
     SWIGLU = "swiglu"
 
 
+class Positions(enum.Enum):
+    ROTARY = "rotary"  # rotary on q and k (LLaMA); pairs are the two halves of head_dim
+    LEARNED = "learned"  # a learned (seq, embed) table added to the token embeddings (GPT-2)
+
+
 # Activation layouts at the constraint points. The sequence dim has three names, so a strategy
 # can shard it in one region and not another: ``seq`` in the residual stream (norms; Megatron SP
 # and Ulysses shard it), ``proj_seq`` at the projections and in the MLP (Megatron SP gathers it,
@@ -152,28 +157,42 @@ class Attention:
     kv_heads: int
     head_dim: int
     out_std: float
+    bias: bool = False
 
     def decls(self, prefix: str) -> tuple[ParamDecl, ...]:
         E, H, K, D = self.embed, self.heads, self.kv_heads, self.head_dim
-        return (
+        out = (
             ParamDecl(f"{prefix}.wq", (E, H, D), ("embed", "heads", "kv")),
             ParamDecl(f"{prefix}.wk", (E, K, D), ("embed", "kv_heads", "kv")),
             ParamDecl(f"{prefix}.wv", (E, K, D), ("embed", "kv_heads", "kv")),
             ParamDecl(f"{prefix}.wo", (H, D, E), ("heads", "kv", "embed"), std=self.out_std),
         )
+        if self.bias:
+            out += (
+                ParamDecl(f"{prefix}.bq", (H, D), ("heads", "kv"), Init.ZEROS),
+                ParamDecl(f"{prefix}.bk", (K, D), ("kv_heads", "kv"), Init.ZEROS),
+                ParamDecl(f"{prefix}.bv", (K, D), ("kv_heads", "kv"), Init.ZEROS),
+                ParamDecl(f"{prefix}.bo", (E,), ("embed",), Init.ZEROS),
+            )
+        return out
 
     def __call__(self, ops: Ops, p, prefix: str, x, cos, sin):
+        """``cos``/``sin``: rotary tables, or None (positions were added to the embeddings)."""
         w = lambda n, dims: ops.param(f"{prefix}.{n}", p[f"{prefix}.{n}"], dims)
+        b = lambda y, n, dims: ops.add_bias(y, w(n, dims)) if self.bias else y
         x = ops.constrain(x, PROJ_IN)  # Megatron SP gathers the sequence here
-        q = ops.einsum("bse,ehd->bshd", x, w("wq", ("embed", "heads", "kv")))  # (B, S, H, D)
-        k = ops.einsum("bse,ehd->bshd", x, w("wk", ("embed", "kv_heads", "kv")))  # (B, S, K, D)
-        v = ops.einsum("bse,ehd->bshd", x, w("wv", ("embed", "kv_heads", "kv")))
-        q = ops.constrain(ops.rotary(q, cos, sin), ATTN)
-        k = ops.constrain(ops.rotary(k, cos, sin), ATTN_KV)
+        q = b(ops.einsum("bse,ehd->bshd", x, w("wq", ("embed", "heads", "kv"))), "bq", ("heads", "kv"))  # (B, S, H, D)
+        k = b(ops.einsum("bse,ehd->bshd", x, w("wk", ("embed", "kv_heads", "kv"))), "bk", ("kv_heads", "kv"))  # (B, S, K, D)
+        v = b(ops.einsum("bse,ehd->bshd", x, w("wv", ("embed", "kv_heads", "kv"))), "bv", ("kv_heads", "kv"))
+        if cos is not None:
+            q, k = ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
+        q = ops.constrain(q, ATTN)
+        k = ops.constrain(k, ATTN_KV)
         v = ops.constrain(v, ATTN_KV)
         o = ops.constrain(ops.attention(q, k, v, causal=True), ATTN)  # (B, S, H, D)
         o = ops.constrain(o, PROJ_HEADS)  # Ulysses: all-to-all back to sequence shards
-        return ops.einsum("bshd,hde->bse", o, w("wo", ("heads", "kv", "embed")))  # (B, S, E), partial over heads
+        y = ops.einsum("bshd,hde->bse", o, w("wo", ("heads", "kv", "embed")))  # (B, S, E), partial over heads
+        return b(y, "bo", ("embed",))  # the bias joins one addend of the pending sum
 
 
 @dataclass(frozen=True)
@@ -182,6 +201,7 @@ class MLP:
     hidden: int
     activation: Activation
     out_std: float
+    bias: bool = False
 
     def decls(self, prefix: str) -> tuple[ParamDecl, ...]:
         E, F = self.embed, self.hidden
@@ -189,19 +209,26 @@ class MLP:
         if self.activation is Activation.SWIGLU:
             out.append(ParamDecl(f"{prefix}.w_gate", (E, F), ("embed", "mlp")))
         out.append(ParamDecl(f"{prefix}.w_out", (F, E), ("mlp", "embed"), std=self.out_std))
+        if self.bias:
+            out.append(ParamDecl(f"{prefix}.b_in", (F,), ("mlp",), Init.ZEROS))
+            if self.activation is Activation.SWIGLU:
+                out.append(ParamDecl(f"{prefix}.b_gate", (F,), ("mlp",), Init.ZEROS))
+            out.append(ParamDecl(f"{prefix}.b_out", (E,), ("embed",), Init.ZEROS))
         return tuple(out)
 
     def __call__(self, ops: Ops, p, prefix: str, x):
         w = lambda n, dims: ops.param(f"{prefix}.{n}", p[f"{prefix}.{n}"], dims)
+        b = lambda y, n, dims: ops.add_bias(y, w(n, dims)) if self.bias else y
         x = ops.constrain(x, PROJ_IN)
-        h = ops.einsum("bse,ef->bsf", x, w("w_in", ("embed", "mlp")))  # (B, S, F)
+        h = b(ops.einsum("bse,ef->bsf", x, w("w_in", ("embed", "mlp"))), "b_in", ("mlp",))  # (B, S, F)
         if self.activation is Activation.SWIGLU:
-            gate = ops.einsum("bse,ef->bsf", x, w("w_gate", ("embed", "mlp")))
+            gate = b(ops.einsum("bse,ef->bsf", x, w("w_gate", ("embed", "mlp"))), "b_gate", ("mlp",))
             h = ops.mul(ops.silu(gate), h)
         else:
             h = ops.gelu(h)
         h = ops.constrain(h, HIDDEN)
-        return ops.einsum("bsf,fe->bse", h, w("w_out", ("mlp", "embed")))  # (B, S, E), partial over mlp
+        y = ops.einsum("bsf,fe->bse", h, w("w_out", ("mlp", "embed")))  # (B, S, E), partial over mlp
+        return b(y, "b_out", ("embed",))
 
 
 @dataclass(frozen=True)
@@ -239,6 +266,9 @@ class GPTConfig:
     activation: Activation = Activation.SWIGLU
     eps: float = 1e-5
     rope_base: float = 10000.0
+    positions: Positions = Positions.ROTARY
+    bias: bool = False  # biases on q, k, v, the attention output and the MLP's projections
+    tie_embeddings: bool = False  # the LM head is the embedding table (no lm_head parameter)
 
     def __post_init__(self):
         problems = []
@@ -246,10 +276,17 @@ class GPTConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{f}={v!r} must be a positive int")
+        for f, kind in (("norm", Norm), ("activation", Activation), ("positions", Positions)):
+            if not isinstance(getattr(self, f), kind):
+                problems.append(f"{f}={getattr(self, f)!r} must be a {kind.__name__} "
+                                f"({', '.join(f'{kind.__name__}.{m.name}' for m in kind)})")
+        for f in ("bias", "tie_embeddings"):
+            if not isinstance(getattr(self, f), bool):
+                problems.append(f"{f}={getattr(self, f)!r} must be a bool")
         if not problems:
             if self.embed % self.heads:
                 problems.append(f"embed={self.embed} is not divisible by heads={self.heads} (head_dim = embed / heads)")
-            elif self.head_dim % 2:
+            elif self.head_dim % 2 and self.positions is Positions.ROTARY:
                 problems.append(f"head_dim={self.head_dim} (embed / heads) must be even for rotary positions")
             if self.heads % self.kv_heads:
                 problems.append(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads} (grouped-query "
@@ -275,6 +312,10 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny-gqa": GPTConfig(vocab=256, seq=16, embed=64, heads=8, kv_heads=4, layers=2, mlp=128),
     "tiny-gpt2": GPTConfig(vocab=256, seq=16, embed=64, heads=8, kv_heads=8, layers=2, mlp=256,
                            norm=Norm.LAYER, activation=Activation.GELU),
+    # GPT-2 as Hugging Face builds it: learned positions, biases, the LM head tied to the embedding.
+    "tiny-gpt2-hf": GPTConfig(vocab=256, seq=16, embed=64, heads=8, kv_heads=8, layers=2, mlp=256,
+                              norm=Norm.LAYER, activation=Activation.GELU, positions=Positions.LEARNED,
+                              bias=True, tie_embeddings=True),
     # GPT-2 small's sizes (124M with a 50257 vocab; padded to 50304 as nanoGPT does).
     "gpt2-small": GPTConfig(vocab=50304, seq=1024, embed=768, heads=12, kv_heads=12, layers=12, mlp=3072,
                             norm=Norm.LAYER, activation=Activation.GELU),
@@ -297,8 +338,8 @@ class GPT:
         norm = (lambda: RMSNorm(c.embed, c.eps)) if c.norm is Norm.RMS else (lambda: LayerNorm(c.embed, c.eps))
         out_std = 0.02 / math.sqrt(2 * c.layers)
         return tuple(
-            Block(norm(), Attention(c.embed, c.heads, c.kv_heads, c.head_dim, out_std), norm(),
-                  MLP(c.embed, c.mlp, c.activation, out_std))
+            Block(norm(), Attention(c.embed, c.heads, c.kv_heads, c.head_dim, out_std, c.bias), norm(),
+                  MLP(c.embed, c.mlp, c.activation, out_std, c.bias))
             for _ in range(c.layers)
         )
 
@@ -310,10 +351,13 @@ class GPT:
     def decls(self) -> tuple[ParamDecl, ...]:
         c = self.config
         out = Embedding(c.vocab, c.embed).decls("embed")
+        if c.positions is Positions.LEARNED:
+            out += (ParamDecl("pos_embed.table", (c.seq, c.embed), ("seq", "embed")),)
         for i, block in enumerate(self.blocks):
             out += block.decls(f"blocks.{i}")
         out += self.final_norm.decls("final_norm")
-        out += self.lm_head.decls("lm_head")
+        if not c.tie_embeddings:
+            out += self.lm_head.decls("lm_head")
         return out
 
     @property
@@ -330,13 +374,26 @@ class GPT:
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         return {d.name: d.shape for d in self.decls()}
 
-    def loss(self, ops: Ops, params: Mapping[str, Any], tokens, targets):
-        """Mean next-token cross entropy; tokens and targets are (B, S) ints."""
+    def logits(self, ops: Ops, params: Mapping[str, Any], tokens):
+        """(B, S, V) next-token logits of (B, S) int tokens, S = config.seq."""
         c = self.config
-        cos, sin = (ops.constant(t) for t in rotary_tables(c.seq, c.head_dim, c.rope_base))
-        x = ops.constrain(Embedding(c.vocab, c.embed)(ops, params, "embed", tokens), RESIDUAL)  # (B, S, E)
+        x = Embedding(c.vocab, c.embed)(ops, params, "embed", tokens)  # (B, S, E), partial over vocab's axes
+        cos = sin = None
+        if c.positions is Positions.LEARNED:
+            x = ops.add_bias(x, ops.param("pos_embed.table", params["pos_embed.table"], ("seq", "embed")))
+        else:
+            cos, sin = (ops.constant(t) for t in rotary_tables(c.seq, c.head_dim, c.rope_base))
+        x = ops.constrain(x, RESIDUAL)
         for i, block in enumerate(self.blocks):
             x = block(ops, params, f"blocks.{i}", x, cos, sin)
         x = ops.constrain(self.final_norm(ops, params, "final_norm", x), PROJ_IN)
-        logits = ops.constrain(self.lm_head(ops, params, "lm_head", x), LOGITS)  # (B, S, V)
-        return ops.cross_entropy(logits, targets)
+        if c.tie_embeddings:  # the table's second use: its gradient is the sum of both
+            table = ops.param("embed.table", params["embed.table"], ("vocab", "embed"))
+            logits = ops.einsum("bse,ve->bsv", x, table)
+        else:
+            logits = self.lm_head(ops, params, "lm_head", x)
+        return ops.constrain(logits, LOGITS)  # (B, S, V)
+
+    def loss(self, ops: Ops, params: Mapping[str, Any], tokens, targets):
+        """Mean next-token cross entropy; tokens and targets are (B, S) ints."""
+        return ops.cross_entropy(self.logits(ops, params, tokens), targets)

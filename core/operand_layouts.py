@@ -9,12 +9,19 @@ from __future__ import annotations
 
 from .spec import Layout, P
 
-__all__ = ["vector_layout", "rotary_layouts", "attention_layout", "embed_layouts", "loss_targets_layout"]
+__all__ = ["vector_layout", "bias_layout", "rotary_layouts", "attention_layout", "embed_layouts", "loss_targets_layout"]
 
 
 def vector_layout(x: Layout, ndim: int) -> Layout:
     """A (D,) parameter (norm scale, bias) split like ``x``'s last dim, so it applies locally."""
     return Layout(x.mesh, P(x.dim_axes(ndim - 1) or None))
+
+
+def bias_layout(x: Layout, ndim: int, bias_ndim: int) -> Layout:
+    """A parameter over the last ``bias_ndim`` of ``x``'s ``ndim`` dims, split like them, so it
+    adds locally. Never partial; where ``x`` holds pending sums the executors add it on one
+    addend only (the ranks at index 0 of ``x``'s partial axes)."""
+    return Layout(x.mesh, P(*(x.dim_axes(d) or None for d in range(ndim - bias_ndim, ndim))))
 
 
 def rotary_layouts(x: Layout) -> tuple[Layout, Layout]:

@@ -29,6 +29,10 @@ class Ops(Protocol):
 
     def mul(self, x: Tensor, y: Tensor) -> Tensor: ...
 
+    def add_bias(self, x: Tensor, b: Tensor) -> Tensor:
+        """``x + b`` where b's dims are x's trailing dims (a (D,) bias, a (H, D) bias, the (S, E)
+        learned position table). A pending sum gets the bias once, not once per addend."""
+
     def gelu(self, x: Tensor) -> Tensor:
         """GELU, tanh approximation (GPT-2's)."""
 

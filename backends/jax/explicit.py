@@ -19,7 +19,8 @@ import numpy as np
 from jax import lax
 
 from ...core import Layout, P, plan_einsum, plan_redistribute
-from ...core.operand_layouts import attention_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout
+from ...core.operand_layouts import (attention_layout, bias_layout, embed_layouts, loss_targets_layout,
+                                      rotary_layouts, vector_layout)
 from ...core.ops import LogicalDims
 from .collectives import AtomMesh, CollectiveLog, run_plan
 from .ops import JaxOps
@@ -99,6 +100,15 @@ class ExplicitOps:
     def mul(self, x: Sharded, y: Sharded) -> Sharded:
         x, y = self._same(self.complete(x), self.complete(y))
         return Sharded(x.local * y.local, x.layout, x.shape)
+
+    def add_bias(self, x: Sharded, b: Sharded) -> Sharded:
+        """b split like x's trailing dims; where x holds pending sums, only the ranks at index 0
+        of its partial axes add b (the mask makes b vary there: its gradient is psum'd back)."""
+        b = self.redistribute(self.complete(b), bias_layout(x.layout, x.ndim, b.ndim))
+        bias = b.local
+        if x.layout.partial:
+            bias = bias * (self._index(x.layout.partial) == 0).astype(bias.dtype)
+        return Sharded(x.local + bias, x.layout, x.shape)
 
     def gelu(self, x: Sharded) -> Sharded:
         x = self.complete(x)

@@ -42,6 +42,9 @@ class JaxOps:
     def mul(self, x, y):
         return x * y
 
+    def add_bias(self, x, b):
+        return x + b  # b's dims are x's trailing dims
+
     def gelu(self, x):
         return jax.nn.gelu(x, approximate=True)
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from ...core import AllGather, AllReduce, Layout, LocalSlice, P, Permute, ReduceScatter, plan_einsum, plan_redistribute
-from ...core.operand_layouts import attention_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout
+from ...core.operand_layouts import (attention_layout, bias_layout, embed_layouts, loss_targets_layout,
+                                      rotary_layouts, vector_layout)
 from ...core.ops import LogicalDims
 from .collectives import CollectiveLog, all_gather_many, all_reduce, run_step, vary
 from .grad_sync import GradSync, vary_param
@@ -174,6 +175,15 @@ class ExplicitOps:
     def mul(self, x: Sharded, y: Sharded) -> Sharded:
         x, y = self._same(self.complete(x), self.complete(y))
         return Sharded(x.local * y.local, x.layout, x.shape, x.varying)
+
+    def add_bias(self, x: Sharded, b: Sharded) -> Sharded:
+        """b split like x's trailing dims and varied like x (x's partial axes included: its
+        gradient is summed there). Where x holds pending sums, only the ranks at index 0 of its
+        partial axes add b; the others add b * 0, so every rank joins b's gradient all-reduce."""
+        b = self.redistribute(self.complete(b), bias_layout(x.layout, x.ndim, b.ndim))
+        x, b = self._align(x, b)
+        bias = b.local * float(self._index(x.layout.partial) == 0) if x.layout.partial else b.local
+        return Sharded(x.local + bias, x.layout, x.shape, x.varying)
 
     def _unary(self, x: Sharded, fn) -> Sharded:
         x = self.complete(x)

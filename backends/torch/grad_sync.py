@@ -5,7 +5,8 @@ there: the variance rule's ``vary`` would all-reduce it on the spot, one blockin
 parameter. For parameters used directly (their stored layout is their compute layout), the
 backward instead hands the gradient to a ``GradSync``: gradients are copied into a flat bucket
 per set of axes; a full bucket starts an asynchronous all-reduce while backward goes on; ``finish``
-waits for the last ones and writes the sums into ``param.grad``.
+waits for the last ones and adds the sums into ``param.grad``. A parameter used twice (a tied
+embedding) hands over two partial gradients; each is summed over the ranks and both are added.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class GradSync:
                 summed = flat[offset:offset + n].view_as(p)
                 if p.grad is None:
                     p.grad = summed.clone()
-                else:  # autograd accumulated the unreduced gradient; the sum replaces it
-                    p.grad.copy_(summed)
+                else:  # another use of p, or a gradient autograd already holds (summed elsewhere)
+                    p.grad.add_(summed)
                 offset += n
         self._inflight.clear()
 
@@ -104,8 +105,9 @@ class _VaryParam(torch.autograd.Function):
             ctx.sync.reduce_to_layout(ctx.name, ctx.layout, g, ctx.axes)
             return None, None, None, None, None  # the gradient lives in sync.sharded only
         ctx.sync.add(ctx.param, g, ctx.axes)
-        # The partial gradient goes to autograd as is; GradSync.finish overwrites it with the sum.
-        return g, None, None, None, None
+        # The partial gradient stays out of autograd (which may reuse its buffer for a second use
+        # of the parameter); GradSync.finish adds its sum to param.grad.
+        return None, None, None, None, None
 
 
 def vary_param(p: torch.Tensor, name: str, layout, axes: tuple[str, ...], sync: GradSync) -> torch.Tensor:

@@ -32,6 +32,9 @@ class TorchOps:
     def mul(self, x, y):
         return x * y
 
+    def add_bias(self, x, b):
+        return x + b  # b's dims are x's trailing dims
+
     def gelu(self, x):
         return F.gelu(x, approximate="tanh")
 

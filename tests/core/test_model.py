@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from parlay import Mesh
-from parlay.core.model import GPT, PRESETS, GPTConfig, Init, ParamDecl, init_params
+from parlay.core.model import GPT, PRESETS, GPTConfig, Init, ParamDecl, Positions, init_params
 from parlay.core.strategies import STRATEGIES, get_strategy
 
 
@@ -18,6 +18,21 @@ def test_decls_and_shapes():
     assert "blocks.0.norm1.bias" not in shapes  # RMSNorm has no bias
     assert "blocks.0.norm1.bias" in GPT(PRESETS["tiny-gpt2"]).param_shapes()
     assert "blocks.0.mlp.w_gate" not in GPT(PRESETS["tiny-gpt2"]).param_shapes()
+
+
+def test_hugging_face_gpt2_options():
+    """Learned positions, biases and a tied LM head: the params they add and remove."""
+    model = GPT(PRESETS["tiny-gpt2-hf"])
+    shapes, dims, c = model.param_shapes(), model.param_dims(), model.config
+    assert shapes["pos_embed.table"] == (c.seq, c.embed) and dims["pos_embed.table"] == ("seq", "embed")
+    assert "lm_head.w" not in shapes  # the head is embed.table
+    assert dims["blocks.0.attn.bq"] == ("heads", "kv") and dims["blocks.0.attn.bk"] == ("kv_heads", "kv")
+    assert dims["blocks.1.attn.bo"] == ("embed",) and dims["blocks.1.mlp.b_in"] == ("mlp",)
+    assert "blocks.0.mlp.b_gate" not in shapes  # GELU: no gate
+    assert "blocks.0.mlp.b_gate" in GPT(PRESETS["tiny-gqa"].with_(bias=True)).param_shapes()
+    assert (model.init(0)["blocks.0.attn.bo"] == 0).all()
+    # Learned positions need no even head_dim.
+    assert GPTConfig(embed=24, heads=8, positions=Positions.LEARNED).head_dim == 3
 
 
 def test_gpt2_small_size():
@@ -44,6 +59,8 @@ def test_init_is_deterministic_per_name():
     (dict(heads=8, kv_heads=3), r"heads=8 is not divisible by kv_heads=3"),
     (dict(embed=24, heads=8), r"head_dim=3 \(embed / heads\) must be even"),
     (dict(layers=0), r"layers=0 must be a positive int"),
+    (dict(positions="learned"), r"positions='learned' must be a Positions \(Positions.ROTARY, Positions.LEARNED\)"),
+    (dict(bias=1), r"bias=1 must be a bool"),
 ])
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

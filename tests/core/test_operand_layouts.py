@@ -1,6 +1,6 @@
 from parlay import Layout, Mesh, P
 from parlay.core.operand_layouts import (
-    attention_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout,
+    attention_layout, bias_layout, embed_layouts, loss_targets_layout, rotary_layouts, vector_layout,
 )
 
 M = Mesh(dp=2, tp=2, sp=2)
@@ -9,6 +9,13 @@ M = Mesh(dp=2, tp=2, sp=2)
 def test_vector_follows_the_last_dim():
     assert vector_layout(Layout(M, P("dp", None, "tp")), 3) == Layout(M, P("tp"))
     assert vector_layout(Layout(M, P("dp")), 3) == Layout(M, P())
+
+
+def test_bias_follows_the_trailing_dims_and_is_never_partial():
+    assert bias_layout(Layout(M, P("dp", None, "tp")), 3, 1) == Layout(M, P("tp"))
+    assert bias_layout(Layout(M, P("dp", "tp", None)), 3, 2) == Layout(M, P("tp", None))  # the (S, E) table
+    assert bias_layout(Layout(M, P("dp", None, "tp", None)), 4, 2) == Layout(M, P("tp"))  # a (H, D) bias
+    assert bias_layout(Layout(M, P("dp"), partial="tp"), 3, 1) == Layout(M, P())
 
 
 def test_rotary_keeps_head_dim_whole_and_splits_tables_like_seq():

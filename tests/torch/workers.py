@@ -36,6 +36,29 @@ def loss_and_grads(rank, preset, cases, bucket_bytes=None, coalesce=False):
     return out
 
 
+def all_strategies(rank, preset, cases, settings):
+    """Every (strategy, mesh) under every (bucket_bytes, coalesce) setting, in one spawn: loss,
+    global grads, forward and backward collective counts, keyed "strategy@mesh/bucket,coalesce"."""
+    from model_params import params_for
+
+    model = GPT(PRESETS[preset])
+    params = params_for(model)
+    x, y = batch(model.config)
+    out = {}
+    for bucket_bytes, coalesce in settings:
+        for strategy, axes in cases:
+            sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=bucket_bytes,
+                              coalesce=coalesce)
+            local = sm.shard(params)
+            loss = sm.loss(local, x, y)
+            sm.backward(loss)
+            grads = sm.gather_grads(local)
+            count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
+            key = f"{strategy}@{','.join(f'{a}={n}' for a, n in axes)}/{bucket_bytes},{coalesce}"
+            out[key] = (float(loss.detach()), grads if rank == 0 else None, count(False), count(True))
+    return out
+
+
 def die_mid_step(rank, dead_rank):
     """Every rank all-reduces; one exits first, so the others wait on a peer that is gone."""
     if rank == dead_rank:
