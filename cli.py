@@ -322,6 +322,22 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_export_hf(args: argparse.Namespace, console: Console) -> int:
+    from .hf import checkpoint_to_hf
+
+    out = checkpoint_to_hf(args.checkpoint, args.out)
+    console.print(f"wrote {out} (config.json + model.safetensors; transformers' from_pretrained reads it)", soft_wrap=True)
+    return 0
+
+
+def _cmd_import_hf(args: argparse.Namespace, console: Console) -> int:
+    from .hf import hf_to_checkpoint
+
+    out = hf_to_checkpoint(args.folder, args.checkpoint_dir, step=args.step)
+    console.print(f"wrote {out} (parameters, zero AdamW moments)", soft_wrap=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="parlay", description="Parallel layouts written once, run on PyTorch and JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -402,6 +418,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue from the newest checkpoint in --checkpoint-dir (any backend, strategy or mesh) "
                          "to --steps")
     tr.set_defaults(run=_cmd_train)
+    e = sub.add_parser("export-hf", help="a parlay checkpoint as a Hugging Face folder (GPT-2 or LLaMA)",
+                       description="Write a checkpoint's parameters as config.json + model.safetensors that "
+                                   "transformers loads (GPT2LMHeadModel or LlamaForCausalLM, by the model's options).")
+    e.add_argument("checkpoint", help="a checkpoint folder, e.g. ckpt/step-00000300")
+    e.add_argument("out", help="the folder to write")
+    e.set_defaults(run=_cmd_export_hf)
+    i = sub.add_parser("import-hf", help="a Hugging Face GPT-2 or LLaMA folder as a parlay checkpoint",
+                       description="Read config.json + safetensors (never pickle) and write a parlay checkpoint.")
+    i.add_argument("folder")
+    i.add_argument("checkpoint_dir", help="where the step folder is written")
+    i.add_argument("--step", type=int, default=0)
+    i.set_defaults(run=_cmd_import_hf)
     return parser
 
 

@@ -74,6 +74,32 @@ def config_json(config) -> dict:
             for v in [getattr(config, f.name)]}
 
 
+def config_from_json(data: dict, where: str = "model config"):
+    """A ``GPTConfig`` from ``config_json``'s dict (enums by value), every field checked."""
+    import enum
+    from dataclasses import fields
+
+    from .core.model import GPTConfig
+
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be an object, not {data!r:.80}")
+    known = {f.name: f for f in fields(GPTConfig)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown field {unknown[0]!r}; GPTConfig has {sorted(known)}")
+    values = {}
+    for name, value in data.items():
+        default = getattr(GPTConfig(), name)
+        if isinstance(default, enum.Enum):
+            try:
+                value = type(default)(value)
+            except ValueError:
+                raise ValueError(f"{where}: field {name!r} is {value!r}; one of "
+                                 f"{[e.value for e in type(default)]}") from None
+        values[name] = value
+    return GPTConfig(**values)
+
+
 def _meta(spec: TrainSpec, count: int, history: dict) -> dict:
     """The run's state besides the tensors: what a resume on any backend needs."""
     from .core.model import PRESETS

@@ -208,3 +208,18 @@ def test_resume_with_another_model_or_seed_is_refused(good, tmp_path, capsys):
     assert "field 'model' is" in capsys.readouterr().err
     assert main([*base, "--seed", "1"]) == 2
     assert "resume with the same --seed, --batch and --data" in capsys.readouterr().err
+
+
+def test_a_checkpoint_exports_to_a_hugging_face_folder_and_back(good, tmp_path):
+    """tiny's rotary + RMSNorm + SwiGLU is a LLaMA: checkpoint -> HF folder -> checkpoint is exact."""
+    from transformers import LlamaForCausalLM
+
+    from parlay.hf import checkpoint_to_hf, hf_to_checkpoint
+
+    folder = checkpoint_to_hf(good, tmp_path / "hf")
+    assert isinstance(LlamaForCausalLM.from_pretrained(folder), LlamaForCausalLM)
+    back = Checkpoint(hf_to_checkpoint(folder, tmp_path / "again", step=2))
+    src = Checkpoint(good)
+    for name in [n for n in src.tensors if n.startswith("params/")]:
+        np.testing.assert_array_equal(back.read(name), src.read(name))
+    assert back.meta("model") == src.meta("model") and back.meta("count") == 0
