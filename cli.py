@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -179,8 +180,21 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; compare runs every backend on this machine, at most 8")
     get_strategy(args.strategy).check(mesh, PRESETS[args.model], batch=args.batch)
     tol = Tolerance()
-    ref, runs = run_compare(args.model, args.strategy, mesh, steps=args.steps, batch=args.batch,
-                            backends=backends, seed=args.seed, tol=tol)
+    fault = contextlib.nullcontext()
+    if args.drop_all_reduce:
+        from .compare import drop_all_reduce
+        from .core.model import GPT
+
+        layers = sorted({n.rsplit(".", 1)[0] for n in GPT(PRESETS[args.model]).param_shapes()})
+        if args.drop_all_reduce not in layers:
+            raise UsageError(f"--drop-all-reduce {args.drop_all_reduce!r} is not a layer of {args.model}; layers are "
+                             f"{', '.join(layers)}")
+        if backends != ["jax"]:
+            raise UsageError("--drop-all-reduce plants its fault in JAX explicit mode only; add --backends jax")
+        fault = drop_all_reduce(args.drop_all_reduce)
+    with fault:
+        ref, runs = run_compare(args.model, args.strategy, mesh, steps=args.steps, batch=args.batch,
+                                backends=backends, seed=args.seed, tol=tol)
     table = Table(title=f"{args.model}, {args.strategy} on {mesh}, batch {args.batch}, stdlib bytes; "
                         f"loss per step", title_justify="left")
     table.add_column("step", justify="right")
@@ -387,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--backends", default="torch,jax,jax-gspmd", help="which to run against the reference")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
     c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
+    c.add_argument("--drop-all-reduce", default=None, metavar="LAYER",
+                   help="fault injection (with --backends jax): drop the forward all-reduces of one layer, e.g. "
+                        "blocks.1.mlp, and watch the bisect name it")
     c.set_defaults(run=_cmd_compare)
     tr = sub.add_parser(
         "train",

@@ -9,6 +9,7 @@ L2 norm of the difference over the L2 norm of the distance the reference moved t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from .xla_env import use_host_devices
 
-__all__ = ["BACKENDS", "Tolerance", "BackendRun", "run_compare", "plot_compare"]
+__all__ = ["BACKENDS", "Tolerance", "BackendRun", "run_compare", "plot_compare", "drop_all_reduce"]
 
 BACKENDS = ("torch", "jax", "jax-gspmd")
 
@@ -88,6 +89,33 @@ def _jax_run(model, params, batches, mode, strategy=None, mesh=None):
         state, loss = step(state, x, y)
         losses.append(float(loss))
     return losses, grads, step.params(state)
+
+
+@contextlib.contextmanager
+def drop_all_reduce(layer: str):
+    """Fault injection, to watch the bisect work: in JAX explicit mode, every forward all-reduce
+    run while ``layer`` (a parameter-name prefix, e.g. ``blocks.1.mlp``) is the latest layer asked
+    for its parameters returns its input unchanged."""
+    from .backends.jax import collectives
+    from .backends.jax.explicit import ExplicitOps
+    from .core import AllReduce
+
+    real_param, real_step, scope = ExplicitOps.param, collectives.run_step, {"name": ""}
+
+    def param(self, name, value, dims):
+        scope["name"] = name
+        return real_param(self, name, value, dims)
+
+    def run_step(step, x, *args):
+        if isinstance(step, AllReduce) and scope["name"].startswith(layer + "."):
+            return x
+        return real_step(step, x, *args)
+
+    ExplicitOps.param, collectives.run_step = param, run_step
+    try:
+        yield
+    finally:
+        ExplicitOps.param, collectives.run_step = real_param, real_step
 
 
 def run_compare(preset: str, strategy: str, mesh, *, steps: int, batch: int, backends=BACKENDS, seed: int = 0,

@@ -25,30 +25,11 @@ def test_compare_agrees_and_writes_the_report(tmp_path, capsys):
     assert report["reference"]["losses"][1] < report["reference"]["losses"][0]
 
 
-def _plant_dropped_all_reduce(monkeypatch, layer):
-    """JAX explicit mode with the forward all-reduces of one layer dropped (the step becomes a no-op)."""
-    from parlay.backends.jax import collectives
-    from parlay.backends.jax.explicit import ExplicitOps
-    from parlay.core import AllReduce
-
-    real_param, real_step, scope = ExplicitOps.param, collectives.run_step, {"name": ""}
-
-    def param(self, name, value, dims):
-        scope["name"] = name
-        return real_param(self, name, value, dims)
-
-    def run_step(step, x, *args):
-        return x if isinstance(step, AllReduce) and scope["name"].startswith(layer) else real_step(step, x, *args)
-
-    monkeypatch.setattr(ExplicitOps, "param", param)
-    monkeypatch.setattr(collectives, "run_step", run_step)
-
-
-def test_a_dropped_all_reduce_makes_compare_exit_1_and_the_bisect_names_it(monkeypatch, capsys, tmp_path):
-    _plant_dropped_all_reduce(monkeypatch, "blocks.1.mlp")
+def test_a_dropped_all_reduce_makes_compare_exit_1_and_the_bisect_names_it(capsys, tmp_path):
+    """The fault: JAX explicit mode's forward all-reduces in blocks.1.mlp return their input."""
     path = tmp_path / "r.json"
     argv = ["compare", "--model", "tiny", "--mesh", "tp=2", "--strategy", "tp", "--steps", "2", "--backends", "jax",
-            "--plot", "", "--json", str(path)]
+            "--plot", "", "--json", str(path), "--drop-all-reduce", "blocks.1.mlp"]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "NO" in out and "jax disagrees" in out
@@ -83,6 +64,8 @@ def test_bisect_of_agreeing_runs_finds_nothing():
     (["compare", "--mesh", "dp=16", "--strategy", "dp"], "parlay: --mesh 'dp=16' has 16 ranks; compare runs every backend"),
     (["compare", "--model", "huge"], "parlay: --model 'huge' is unknown"),
     (["compare", "--mesh", "dp=2", "--strategy", "tp"], "parlay: strategy 'tp' cannot run on Mesh(dp=2)"),
+    (["compare", "--drop-all-reduce", "blocks.9"], "parlay: --drop-all-reduce 'blocks.9' is not a layer of tiny; layers are"),
+    (["compare", "--drop-all-reduce", "blocks.0.mlp"], "parlay: --drop-all-reduce plants its fault in JAX explicit mode only"),
 ])
 def test_bad_flags(argv, message, capsys):
     assert main(argv) == 2
