@@ -209,6 +209,10 @@ class ExplicitOps:
 
     def rms_norm(self, x: Sharded, scale: Sharded, eps: float) -> Sharded:
         x, axes, (scale,) = self._last_dim(x, scale)
+        if not axes and self._local.uses_triton(x.local, scale.local):
+            # Whole rows are local: the fused kernel. scale was varied with x in _last_dim, so its
+            # gradient (the kernel's sum over local rows) is still summed where x varies.
+            return Sharded(self._local.rms_norm(x.local, scale.local, eps), x.layout, x.shape, x.varying)
         ms = self._sum_last(x.local * x.local, axes) / x.shape[-1]
         # The statistic is the same across `axes`; used with x, which varies there, it is varied.
         ms = vary(ms, axes, self.tm, self.log)
@@ -216,6 +220,9 @@ class ExplicitOps:
 
     def layer_norm(self, x: Sharded, scale: Sharded, bias: Sharded, eps: float) -> Sharded:
         x, axes, (scale, bias) = self._last_dim(x, scale, bias)
+        if not axes and self._local.uses_triton(x.local, scale.local, bias.local):
+            out = self._local.layer_norm(x.local, scale.local, bias.local, eps)  # whole rows: fused
+            return Sharded(out, x.layout, x.shape, x.varying)
         mean = vary(self._sum_last(x.local, axes) / x.shape[-1], axes, self.tm, self.log)
         var = vary(self._sum_last((x.local - mean) ** 2, axes) / x.shape[-1], axes, self.tm, self.log)
         out = (x.local - mean) * torch.rsqrt(var + eps) * scale.local + bias.local
@@ -254,18 +261,35 @@ class ExplicitOps:
         targets = self.redistribute(self.complete(targets), loss_targets_layout(logits.layout))
         vocab = logits.layout.dim_axes(2)
         l = logits.local
-        m = l.detach().amax(-1, keepdim=True)
-        if vocab:  # a max is not a sum: reduce it outside autograd (the shift cancels in the loss)
-            import torch.distributed as dist
-            pg, _ = self.tm.group(tuple(vocab))
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
-        se = all_reduce(torch.exp(l - m).sum(-1), vocab, self.tm, self.log)
-        ids = targets.local - self._index(vocab) * l.shape[-1]
-        hit = (ids >= 0) & (ids < l.shape[-1])
-        picked = torch.gather(l, -1, ids.clamp(0, l.shape[-1] - 1)[..., None])[..., 0] * hit
-        picked = all_reduce(picked, vocab, self.tm, self.log)
+        if self._local.uses_triton(l):
+            from ... import triton_kernels
+
+            def combine(m, se, picked):
+                # The same collectives as below: the max outside autograd, then the two sums. The
+                # kernel's backward needs only the global log-sum-exp, so it is local.
+                if vocab:
+                    import torch.distributed as dist
+                    top = m.clone()
+                    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.tm.group(tuple(vocab))[0])
+                    se, m = se * torch.exp(m - top), top
+                return m, all_reduce(se, vocab, self.tm, self.log), all_reduce(picked, vocab, self.tm, self.log)
+
+            start = self._index(vocab) * l.shape[-1]  # this rank's first vocab column
+            rows = triton_kernels.vocab_parallel_cross_entropy(l, targets.local, vocab_start=start, combine=combine)
+            total = rows.sum()  # rows: (B, S) local
+        else:
+            m = l.detach().amax(-1, keepdim=True)
+            if vocab:  # a max is not a sum: reduce it outside autograd (the shift cancels in the loss)
+                import torch.distributed as dist
+                pg, _ = self.tm.group(tuple(vocab))
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+            se = all_reduce(torch.exp(l - m).sum(-1), vocab, self.tm, self.log)
+            ids = targets.local - self._index(vocab) * l.shape[-1]
+            hit = (ids >= 0) & (ids < l.shape[-1])
+            picked = torch.gather(l, -1, ids.clamp(0, l.shape[-1] - 1)[..., None])[..., 0] * hit
+            picked = all_reduce(picked, vocab, self.tm, self.log)
+            total = (torch.log(se) + m[..., 0] - picked).sum()
         varying = logits.varying - set(vocab)
-        total = (torch.log(se) + m[..., 0] - picked).sum()
         token_axes = logits.layout.dim_axes(0) + logits.layout.dim_axes(1)
         total = all_reduce(total, token_axes, self.tm, self.log)
         varying -= set(token_axes)

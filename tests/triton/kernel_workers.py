@@ -1,0 +1,57 @@
+"""Run on spawned gloo ranks by the kernel tests (module-level, so spawn can import them)."""
+
+import contextlib
+from collections import Counter
+from typing import Iterator
+
+import numpy as np
+
+from parlay import Mesh
+from parlay.backends.torch.train import ShardedModel
+from parlay.core.model import GPT, PRESETS
+from parlay.triton_kernels import _launch, use_kernels
+
+
+def gpt_inputs(preset: str, batch: int = 2, seed: int = 0):
+    """The model, parameters with every norm scale and bias moved off 1 and 0, and a batch."""
+    model = GPT(PRESETS[preset])
+    rng = np.random.default_rng(seed)
+    params = {k: (v + 0.1 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in model.init(seed).items()}
+    tokens = rng.integers(0, model.config.vocab, (batch, model.config.seq + 1))
+    return model, params, tokens[:, :-1], tokens[:, 1:]
+
+
+@contextlib.contextmanager
+def count_launches() -> Iterator[Counter]:
+    """Count the kernel launches inside the block, by kernel name."""
+    launches: Counter = Counter()
+    launch = _launch._Kernel.__getitem__
+
+    def counted(self, grid):
+        launches[self.__name__] += 1
+        return launch(self, grid)
+
+    _launch._Kernel.__getitem__ = counted
+    try:
+        yield launches
+    finally:
+        _launch._Kernel.__getitem__ = launch
+
+
+def sharded_loss_and_grads(rank, preset, cases):
+    """Per (strategy, mesh axes) and kernel choice: loss, global grads (rank 0), forward and backward
+    collective counts, and the kernels launched."""
+    model, params, x, y = gpt_inputs(preset)
+    out = {}
+    for strategy, axes in cases:
+        for kernels in ("torch", "triton"):
+            with use_kernels(kernels), count_launches() as launches:
+                sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=None, coalesce=False)
+                local = sm.shard(params)
+                loss = sm.loss(local, x, y)
+                sm.backward(loss)
+            grads = sm.gather_grads(local)
+            count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
+            out[strategy, kernels] = (float(loss.detach()), grads if rank == 0 else None, count(False), count(True),
+                                      dict(launches))
+    return out

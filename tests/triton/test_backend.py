@@ -1,0 +1,82 @@
+"""The torch backend with the Triton kernels forced (interpreter) equals its plain torch ops.
+
+Single process: TorchOps on the tiny GPTs (RMSNorm, GQA attention, SwiGLU; and LayerNorm, MHA,
+GELU). On two gloo ranks: ExplicitOps under Megatron tp (the vocab-parallel loss over tp, fused
+norms on whole rows, GQA heads split over tp), dp (norm weight gradients summed over dp), and
+tp2d with embed split over an axis (the norms' sharded-row path stays on torch collectives). Each
+run counts the kernels it launched, so a silent fallback to torch fails the test, and the
+collectives it issued, which the kernels must not change.
+
+Parameters are the model's initial values plus noise (norm scales and biases off 1 and 0).
+Tolerances (fp32): loss 1e-5 relative, each gradient 1e-5 of its largest element: the same sums
+in another order (measured: at most 1e-6).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from parlay.backends.torch.launch import spawn
+from parlay.backends.torch.ops import TorchOps
+from parlay.backends.torch.train import single_loss_and_grads
+from parlay.triton_kernels import use_kernels
+
+from kernel_workers import count_launches, gpt_inputs, sharded_loss_and_grads
+
+
+def _close(loss, grads, ref_loss, ref_grads):
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for k in ref_grads:
+        err = np.abs(grads[k] - ref_grads[k]).max() / np.abs(ref_grads[k]).max()
+        assert err <= 1e-5, (k, err)
+
+
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-gpt2"])
+def test_tiny_gpt_with_the_kernels_forced_equals_the_torch_ops(preset):
+    model, params, x, y = gpt_inputs(preset)
+    with use_kernels("torch"), count_launches() as none:
+        ref_loss, ref_grads = single_loss_and_grads(model, params, x, y)
+    with use_kernels("triton"), count_launches() as launches:
+        loss, grads = single_loss_and_grads(model, params, x, y)
+    assert not none
+    layers = model.config.layers  # per layer two norms and one attention; then the final norm and the loss
+    assert launches["_norm_fwd"] == launches["_norm_bwd"] == 2 * layers + 1, launches
+    assert launches["_attn_fwd"] == launches["_attn_bwd_dkdv"] == launches["_attn_bwd_dq"] == layers, launches
+    assert launches["_ce_stats"] == launches["_ce_grad"] == 1, launches
+    _close(loss, grads, ref_loss, ref_grads)
+
+
+def test_the_explicit_choice_on_the_ops_wins_over_the_context():
+    x, w = torch.randn(3, 8), torch.ones(8)
+    with use_kernels("triton"), count_launches() as launches:
+        TorchOps(kernels="torch").rms_norm(x, w, 1e-5)
+    assert not launches
+    with use_kernels("torch"), count_launches() as launches:
+        TorchOps(kernels="triton").rms_norm(x, w, 1e-5)
+    assert launches["_norm_fwd"] == 1
+
+
+CASES = [("tp", [("tp", 2)]), ("dp", [("dp", 2)]), ("tp2d", [("row", 2), ("col", 1)])]
+
+
+def test_sharded_runs_with_the_kernels_forced_equal_the_torch_ops_and_one_process():
+    model, params, x, y = gpt_inputs("tiny-gqa")
+    with use_kernels("torch"):
+        ref_loss, ref_grads = single_loss_and_grads(model, params, x, y)
+    ranks = spawn(sharded_loss_and_grads, 2, "tiny-gqa", CASES, timeout_s=300)
+    layers = model.config.layers
+    for strategy, _ in CASES:
+        loss_t, grads_t, fwd_t, bwd_t, launches_t = ranks[0][strategy, "torch"]
+        loss_k, grads_k, fwd_k, bwd_k, launches_k = ranks[0][strategy, "triton"]
+        assert not launches_t, (strategy, launches_t)
+        # tp2d splits embed: the norms keep their sharded-row torch path, attention and loss are kernels
+        norms = 0 if strategy == "tp2d" else 2 * layers + 1
+        assert launches_k.get("_norm_fwd", 0) == launches_k.get("_norm_bwd", 0) == norms, (strategy, launches_k)
+        assert launches_k["_attn_fwd"] == launches_k["_attn_bwd_dq"] == layers, (strategy, launches_k)
+        assert launches_k["_ce_stats"] == launches_k["_ce_grad"] == 1, (strategy, launches_k)
+        assert (fwd_k, bwd_k) == (fwd_t, bwd_t), strategy  # the same collectives, forward and backward
+        for rank in ranks:
+            assert rank[strategy, "triton"][0] == pytest.approx(loss_k, rel=1e-6)  # one loss on every rank
+        _close(loss_k, grads_k, loss_t, grads_t)
+        _close(loss_k, grads_k, ref_loss, ref_grads)
