@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .core import Layout, Mesh, P, Plan, plan_redistribute
+from .core.model import PRESETS
 
 __all__ = ["main"]
 
@@ -378,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--backend", choices=("torch", "jax"), default="torch")
     t.add_argument("--mesh", required=True, help="mesh axes and sizes, e.g. dp=2,tp=2")
     t.add_argument("--strategy", required=True, help="e.g. tp, fsdp+tp, dp+tp_sp")
-    t.add_argument("--model", default="tiny", help="a preset: tiny, tiny-gqa, tiny-gpt2, gpt2-small")
+    t.add_argument("--model", default="tiny", help="a preset: " + ", ".join(PRESETS))
     t.add_argument("--steps", type=int, default=5)
     t.add_argument("--batch", type=int, default=8)
     t.add_argument("--seed", type=int, default=0)
@@ -416,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--mode", choices=("explicit", "gspmd"), default="explicit", help="jax: execution mode")
     tr.add_argument("--mesh", default="dp=2,tp=2", help="mesh axes and sizes (default dp=2,tp=2)")
     tr.add_argument("--strategy", default="dp+tp", help="e.g. tp, fsdp+tp, dp+tp_sp (default dp+tp)")
-    tr.add_argument("--model", default="tiny", help="a preset: tiny, tiny-gqa, tiny-gpt2, gpt2-small")
+    tr.add_argument("--model", default="tiny", help="a preset: " + ", ".join(PRESETS))
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--batch", type=int, default=16)
     tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")

@@ -132,9 +132,26 @@ def _adamw(params, cfg: OptimizerConfig) -> torch.optim.AdamW:
 
 
 def _adamw_step(opt: torch.optim.AdamW, cfg: OptimizerConfig, updates: int) -> int:
-    """One AdamW update at the schedule's rate for update ``updates``; returns the new count."""
+    """One AdamW update at the schedule's rate for update ``updates``; returns the new count.
+    Where the kernel switch says Triton (by default: CUDA tensors), parlay's fused multi-tensor
+    kernel takes the step on the optimizer's own state (so checkpoints see the same state)."""
+    from ...triton_kernels import adamw_step, should_use_triton
+
+    params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    lr = cfg.lr_at(updates)
+    if params and should_use_triton(None, *params, *(p.grad for p in params)):
+        for p in params:
+            state = opt.state[p]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+        with torch.no_grad():
+            adamw_step(params, [p.grad for p in params], [opt.state[p]["exp_avg"] for p in params],
+                       [opt.state[p]["exp_avg_sq"] for p in params], step=updates + 1, lr=lr, beta1=cfg.beta1,
+                       beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return updates + 1
     for group in opt.param_groups:
-        group["lr"] = cfg.lr_at(updates)
+        group["lr"] = lr
     opt.step()
     return updates + 1
 

@@ -80,3 +80,52 @@ def test_sharded_runs_with_the_kernels_forced_equal_the_torch_ops_and_one_proces
             assert rank[strategy, "triton"][0] == pytest.approx(loss_k, rel=1e-6)  # one loss on every rank
         _close(loss_k, grads_k, loss_t, grads_t)
         _close(loss_k, grads_k, ref_loss, ref_grads)
+
+
+def test_the_trainers_adamw_step_runs_the_fused_kernel_on_the_optimizers_state():
+    """The trainers' update (``_adamw_step``) with the kernels forced: the same gradients, the
+    warmup-cosine schedule, the optimizer's own state (what checkpoints save): equal to
+    torch.optim.AdamW to fp32 rounding over 4 steps."""
+    from parlay.backends.torch.train import _adamw, _adamw_step
+    from parlay.core.optim import OptimizerConfig
+
+    cfg = OptimizerConfig(lr=1e-2, warmup=2, decay_steps=4)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(37, 5), (129,), (3, 4, 7)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    runs = {}
+    for kernels in ("torch", "triton"):
+        params = [p.clone().requires_grad_() for p in start]
+        opt, updates = _adamw(params, cfg), 0
+        with use_kernels(kernels), count_launches() as launches:
+            for step_grads in grads:
+                for p, gr in zip(params, step_grads):
+                    p.grad = gr.clone()
+                updates = _adamw_step(opt, cfg, updates)
+        runs[kernels] = (params, opt, launches)
+    assert runs["triton"][2]["_adamw"] == 4 and not runs["torch"][2]
+    for p, q in zip(runs["torch"][0], runs["triton"][0]):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(runs["triton"][1].state[q][key], runs["torch"][1].state[p][key], rtol=1e-5, atol=1e-8)
+        assert float(runs["triton"][1].state[q]["step"]) == float(runs["torch"][1].state[p]["step"]) == 4
+
+
+def test_training_steps_with_every_kernel_forced_follow_torch():
+    """ReferenceTrainer, 3 steps, kernels forced for the norms, attention, the loss and AdamW.
+    Per tensor as parlay compare measures it: the parameters' difference over how far torch moved
+    them (elements near Adam's eps amplify fp32 gradient differences; 2e-3 as compare's)."""
+    from parlay.backends.torch.train import ReferenceTrainer
+
+    model, params, x, y = gpt_inputs("tiny-gqa")
+    runs = {}
+    for kernels in ("torch", "triton"):
+        trainer = ReferenceTrainer(model, params)
+        with use_kernels(kernels):
+            losses = [trainer.step(x, y) for _ in range(3)]
+        runs[kernels] = (losses, {k: v.detach().numpy() for k, v in trainer.params.items()})
+    np.testing.assert_allclose(runs["triton"][0], runs["torch"][0], rtol=1e-5)
+    for k, p0 in params.items():
+        moved = np.linalg.norm(runs["torch"][1][k] - p0)
+        assert np.linalg.norm(runs["triton"][1][k] - runs["torch"][1][k]) <= 2e-3 * moved, k
