@@ -17,23 +17,28 @@ def batch(config, seed=0, n=8):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _run_case(rank, model, params, x, y, strategy, axes, bucket_bytes, coalesce):
+    """One step's loss, global grads (rank 0), forward and backward collective counts."""
+    sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=bucket_bytes, coalesce=coalesce)
+    local = sm.shard(params)
+    loss = sm.loss(local, x, y)
+    sm.backward(loss)
+    grads = sm.gather_grads(local)
+    count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
+    return float(loss.detach()), grads if rank == 0 else None, count(False), count(True)
+
+
+def _key(strategy, axes) -> str:
+    return strategy + "@" + ",".join(f"{a}={n}" for a, n in axes)
+
+
 def loss_and_grads(rank, preset, cases, bucket_bytes=None, coalesce=False):
     """For each (strategy, mesh axes): loss, global grads, forward and backward collective counts."""
     model = GPT(PRESETS[preset])
     params = model.init(0)
     x, y = batch(model.config)
-    out = {}
-    for strategy, axes in cases:
-        sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=bucket_bytes,
-                          coalesce=coalesce)
-        local = sm.shard(params)
-        loss = sm.loss(local, x, y)
-        sm.backward(loss)
-        grads = sm.gather_grads(local)
-        count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
-        out[strategy + "@" + ",".join(f"{a}={n}" for a, n in axes)] = (float(loss), grads if rank == 0 else None,
-                                                                      count(False), count(True))
-    return out
+    return {_key(strategy, axes): _run_case(rank, model, params, x, y, strategy, axes, bucket_bytes, coalesce)
+            for strategy, axes in cases}
 
 
 def all_strategies(rank, preset, cases, settings):
@@ -44,19 +49,9 @@ def all_strategies(rank, preset, cases, settings):
     model = GPT(PRESETS[preset])
     params = params_for(model)
     x, y = batch(model.config)
-    out = {}
-    for bucket_bytes, coalesce in settings:
-        for strategy, axes in cases:
-            sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=bucket_bytes,
-                              coalesce=coalesce)
-            local = sm.shard(params)
-            loss = sm.loss(local, x, y)
-            sm.backward(loss)
-            grads = sm.gather_grads(local)
-            count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
-            key = f"{strategy}@{','.join(f'{a}={n}' for a, n in axes)}/{bucket_bytes},{coalesce}"
-            out[key] = (float(loss.detach()), grads if rank == 0 else None, count(False), count(True))
-    return out
+    return {f"{_key(strategy, axes)}/{bucket_bytes},{coalesce}":
+            _run_case(rank, model, params, x, y, strategy, axes, bucket_bytes, coalesce)
+            for bucket_bytes, coalesce in settings for strategy, axes in cases}
 
 
 def die_mid_step(rank, dead_rank):
