@@ -3,11 +3,11 @@
 A checkpoint is a folder ``step-00000100`` holding ``manifest.json`` and one
 ``rank-NNNNN.safetensors`` per mesh rank that owns a block. A tensor is stored in the layout it
 had when saved: each distinct block once, by the first rank that holds it (replicas are not
-written twice), under the key ``name@start0,start1,..``. The manifest lists every tensor's global
+written twice), under the key ``name@start0,start1,..``, with its SHA-256 in the file's header. The manifest lists every tensor's global
 shape, dtype, layout and pieces (file, key, start, stop), and the run's state: format version,
 model config, mesh, strategy, step, optimizer config, data position and seeds. No rank gathers
-a whole tensor; a loader in any layout reads from each piece only the region it needs
-(``safe_open(..).get_slice``).
+a whole tensor; a loader in any layout reads only the pieces its own block overlaps,
+checks each against its SHA-256 and copies out the region it needs.
 
 A save is written to ``step-00000100.tmp`` and committed by renaming the folder; older
 checkpoints beyond ``keep_last`` are removed only after that. Loaders see committed folders only,
@@ -18,6 +18,7 @@ file is one ``CheckpointError`` naming the file and the field.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -79,6 +80,10 @@ def owned_blocks(name: str, layout: Layout, shape: Sequence[int], rank: int) -> 
 
 # -- writing -------------------------------------------------------------------------------------
 
+def _sha256(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -109,7 +114,9 @@ def write_file(tmp: Path, file: str, tensors: Mapping[str, np.ndarray]) -> None:
         raise ValueError(f"checkpoint file name {file!r} is not rank-NNNNN.safetensors.")
     path = tmp / file
     part = path.with_suffix(".partial")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(part))
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    # Each block's SHA-256 lives in its own file's header, written by the rank that owns the bytes.
+    save_file(tensors, str(part), metadata={k: _sha256(v) for k, v in tensors.items()})
     with open(part, "rb") as f:
         os.fsync(f.fileno())
     os.replace(part, path)
@@ -277,6 +284,11 @@ class Checkpoint:
                 raise CheckpointError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
         return self._files[file]
 
+    def open_all(self) -> None:
+        """Open every tensor file the manifest names (their headers are checked now, not mid-run)."""
+        for file in sorted({p.file for e in self.tensors.values() for p in e.pieces}):
+            self._open(file)
+
     def entry(self, name: str, shape: Sequence[int] | None = None) -> TensorEntry:
         if name not in self.tensors:
             raise CheckpointError(f"{self._where}: no tensor {name!r} (the checkpoint holds {len(self.tensors)} tensors)")
@@ -287,7 +299,7 @@ class Checkpoint:
 
     def read(self, name: str, region: Sequence[slice] | None = None, *, shape: Sequence[int] | None = None) -> np.ndarray:
         """The region ``region`` (slices with explicit start/stop; default: all) of tensor ``name``,
-        read from the pieces it overlaps only."""
+        read from the pieces it overlaps only, each checked against its SHA-256."""
         e = self.entry(name, shape)
         region = tuple(region) if region is not None else tuple(slice(0, n) for n in e.shape)
         lo = [s.start or 0 for s in region]
@@ -307,7 +319,13 @@ class Checkpoint:
             if list(sl.get_shape()) != want or sl.get_dtype() != _ST_DTYPES[e.dtype]:
                 raise CheckpointError(f"{path}: tensor {p.key!r} is {sl.get_dtype()} {sl.get_shape()}; the manifest "
                                       f"says {_ST_DTYPES[e.dtype]} {want}")
-            block = sl[tuple(slice(x - s, y - s) for x, y, s in zip(a, b, p.start))]
+            piece = f.get_tensor(p.key)  # whole, to check its bytes
+            digest = (f.metadata() or {}).get(p.key)
+            if digest is None:
+                raise CheckpointError(f"{path}: no SHA-256 for tensor {p.key!r} in the file's header")
+            if _sha256(piece) != digest:
+                raise CheckpointError(f"{path}: tensor {p.key!r} does not match its SHA-256 (the file is corrupted)")
+            block = piece[tuple(slice(x - s, y - s) for x, y, s in zip(a, b, p.start))]
             out[tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))] = block
         return out
 

@@ -173,6 +173,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--model {args.model!r} is unknown; presets are {', '.join(PRESETS)}")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
+    if len(set(backends)) < len(backends):
+        raise UsageError(f"--backends {args.backends!r} names a backend twice")
     if bad or not backends:
         raise UsageError(f"--backends {args.backends!r}: {bad[0] if bad else 'none given'} is not a backend; choose from {','.join(BACKENDS)}")
     if args.steps < 1 or args.batch < 1:
@@ -193,9 +195,13 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         if backends != ["jax"]:
             raise UsageError("--drop-all-reduce plants its fault in JAX explicit mode only; add --backends jax")
         fault = drop_all_reduce(args.drop_all_reduce)
-    with fault:
+    with fault as dropped:
         ref, runs = run_compare(args.model, args.strategy, mesh, steps=args.steps, batch=args.batch,
                                 backends=backends, seed=args.seed, tol=tol)
+    if args.drop_all_reduce and not dropped["count"]:
+        raise UsageError(f"--drop-all-reduce {args.drop_all_reduce}: no forward all-reduce ran in that layer under "
+                         f"{args.strategy} on {mesh}, so no fault was planted; pick a layer whose output is a pending "
+                         f"sum (e.g. an MLP or attention output under tp)")
     table = Table(title=f"{args.model}, {args.strategy} on {mesh}, batch {args.batch}, stdlib bytes; "
                         f"loss per step", title_justify="left")
     table.add_column("step", justify="right")
@@ -247,8 +253,9 @@ def _check_run(args, mesh: Mesh, *, backend: str) -> None:
 
     if args.model not in PRESETS:
         raise UsageError(f"--model {args.model!r} is unknown; presets are {', '.join(PRESETS)}")
-    if args.steps < 1 or args.batch < 1:
-        raise UsageError(f"--steps {args.steps} and --batch {args.batch} must be positive")
+    for flag in ("steps", "batch"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(args, flag)} must be positive")
     limit = (os.cpu_count() or 1) * 16 if backend == "torch" else 64
     if mesh.size > limit:
         raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; this machine can simulate at most {limit} "
@@ -268,19 +275,31 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     mesh = parse_mesh(args.mesh)
     _check_run(args, mesh, backend=args.backend)
-    if args.eval_every < 1 or args.eval_batches < 0:
-        raise UsageError(f"--eval-every {args.eval_every} must be positive and --eval-batches {args.eval_batches} >= 0")
+    if args.eval_every < 1:
+        raise UsageError(f"--eval-every {args.eval_every} must be positive")
+    if args.eval_batches < 0:
+        raise UsageError(f"--eval-batches {args.eval_batches} must be >= 0")
+    if args.mode is not None and args.backend != "jax":
+        raise UsageError(f"--mode {args.mode} chooses JAX's execution mode; it does nothing with --backend {args.backend}")
+    if args.warmup > args.steps:
+        raise UsageError(f"--warmup {args.warmup} is longer than --steps {args.steps}: the peak rate would never be "
+                         f"reached; lower --warmup")
     for f in args.data or ():
         if not os.path.isfile(f):
             raise UsageError(f"--data {f!r} does not exist or is not a file; name readable text files "
                              f"(or leave --data out to train on the Python standard library)")
-    if args.checkpoint_every < 0 or (args.keep_last is not None and args.keep_last < 1):
-        raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be >= 0 and --keep-last {args.keep_last} >= 1")
+    if args.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be >= 0 (0: never)")
+    if args.keep_last < 1:
+        raise UsageError(f"--keep-last {args.keep_last} must be >= 1")
+    if args.resume and args.init_from:
+        raise UsageError("--resume continues a run; --init-from starts a new one from a checkpoint's parameters: "
+                         "give one of them")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every and --resume need --checkpoint-dir DIR")
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
     spec = TrainSpec(backend=args.backend, strategy=args.strategy, mesh=tuple(mesh.axes), preset=args.model,
-                     mode=args.mode, steps=args.steps, batch=args.batch, seed=args.seed, optimizer=optimizer,
+                     mode=args.mode or "explicit", steps=args.steps, batch=args.batch, seed=args.seed, optimizer=optimizer,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                      keep_last=args.keep_last)
@@ -293,8 +312,18 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         if resume is None:
             raise UsageError(f"--resume: {args.checkpoint_dir!r} holds no committed checkpoint (step-NNNNNNNN folders "
                              f"with a manifest.json)")
-        check_resume(Checkpoint(resume), spec)
-        console.print(f"resuming from {resume}", soft_wrap=True)
+        ckpt = Checkpoint(resume)
+        check_resume(ckpt, spec)
+        console.print(f"resuming from {resume} (steps {ckpt.step + 1}..{args.steps}; steps 1..{ckpt.step} ran on "
+                      f"{ckpt.meta('backend')}, {ckpt.meta('strategy')} on {ckpt.meta('mesh')})", soft_wrap=True)
+    init = None
+    if args.init_from:
+        from .checkpoint import Checkpoint
+        from .training import check_init
+
+        init = Checkpoint(args.init_from)
+        check_init(init, spec)
+        console.print(f"starting from the parameters of {init.path} (fresh AdamW state, step 1)", soft_wrap=True)
     corpus = load_corpus(list(spec.data) or None, max_bytes=spec.max_bytes)  # bad text fails here, before any rank
     seq = PRESETS[args.model].seq
     what = f"{args.backend} ({args.mode})" if args.backend == "jax" else f"torch ({mesh.size} gloo ranks)"
@@ -321,13 +350,15 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             else:
                 progress.console.print(f"step {t}: checkpoint saved to {loss}", soft_wrap=True)
 
-        result = run_train(spec, on_event, resume=str(resume) if resume else None)
+        result = run_train(spec, on_event, resume=str(resume) if resume else None,
+                           init_from=str(init.path) if init else None)
     final = result.evals[-1][1] if result.evals else float("nan")
     console.print(f"done in {result.seconds:.1f} s ({result.tokens_per_s(spec, seq):,.0f} tokens/s after the first step): "
                   f"train loss {result.losses[-1]:.4f}, held-out loss {final:.4f} vs unigram entropy "
                   f"{corpus.unigram_entropy():.4f}", soft_wrap=True)
     if args.json:
-        report = {**spec_json(spec), "source": corpus.source, "unigram_entropy": corpus.unigram_entropy(),
+        report = {**spec_json(spec), "resumed_from": str(resume) if resume else None,
+                  "init_from": str(init.path) if init else None, "source": corpus.source, "unigram_entropy": corpus.unigram_entropy(),
                   "losses": result.losses, "eval": [{"step": t, "loss": l} for t, l in result.evals],
                   "seconds": result.seconds, "tokens_per_s": result.tokens_per_s(spec, seq)}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -387,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mode", choices=("explicit", "gspmd"), default="explicit", help="jax: execution mode")
     t.set_defaults(run=_cmd_step)
     c = sub.add_parser(
-        "compare",
+        "compare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="the same model, weights and batches on every backend against one device",
         description="Run the single-device reference, torch (spawned gloo ranks), JAX explicit and JAX GSPMD "
                     "for N AdamW steps on the Python standard library's bytes; print the losses and the largest "
@@ -407,14 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks.1.mlp, and watch the bisect name it")
     c.set_defaults(run=_cmd_compare)
     tr = sub.add_parser(
-        "train",
+        "train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="train the GPT on text (the standard library's source by default) on either backend",
         description="Train a preset GPT byte-level on the Python standard library's source files (on every "
                     "machine) or on --data files, with a held-out tail for evaluation: a progress bar with the "
                     "loss, tokens/s and ETA, the held-out loss every --eval-every steps.",
     )
     tr.add_argument("--backend", choices=("torch", "jax"), default="torch")
-    tr.add_argument("--mode", choices=("explicit", "gspmd"), default="explicit", help="jax: execution mode")
+    tr.add_argument("--mode", choices=("explicit", "gspmd"), default=None, help="jax: execution mode (default explicit)")
     tr.add_argument("--mesh", default="dp=2,tp=2", help="mesh axes and sizes (default dp=2,tp=2)")
     tr.add_argument("--strategy", default="dp+tp", help="e.g. tp, fsdp+tp, dp+tp_sp (default dp+tp)")
     tr.add_argument("--model", default="tiny", help="a preset: " + ", ".join(PRESETS))
@@ -432,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="where checkpoints are saved and resumed from")
     tr.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps and after the last")
     tr.add_argument("--keep-last", type=int, default=3, help="committed checkpoints to keep (default 3)")
+    tr.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                    help="start from this checkpoint folder's parameters (e.g. one parlay import-hf wrote), with a "
+                         "fresh optimizer, at step 1")
     tr.add_argument("--resume", action="store_true",
                     help="continue from the newest checkpoint in --checkpoint-dir (any backend, strategy or mesh) "
                          "to --steps")
@@ -462,10 +496,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"parlay: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
+    except RuntimeError as e:  # a rank that failed, a run that diverged: the run itself went wrong
         from .backends.torch.launch import RankFailure
+        from .training import TrainingDiverged
 
-        if not isinstance(e, RankFailure):
+        if not isinstance(e, (RankFailure, TrainingDiverged)):
             raise
         print(f"parlay: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -101,6 +101,7 @@ def drop_all_reduce(layer: str):
     from .core import AllReduce
 
     real_param, real_step, scope = ExplicitOps.param, collectives.run_step, {"name": ""}
+    dropped = {"count": 0}  # how many all-reduces were dropped (traced), for the caller to check
 
     def param(self, name, value, dims):
         scope["name"] = name
@@ -108,12 +109,13 @@ def drop_all_reduce(layer: str):
 
     def run_step(step, x, *args):
         if isinstance(step, AllReduce) and scope["name"].startswith(layer + "."):
+            dropped["count"] += 1
             return x
         return real_step(step, x, *args)
 
     ExplicitOps.param, collectives.run_step = param, run_step
     try:
-        yield
+        yield dropped
     finally:
         ExplicitOps.param, collectives.run_step = real_param, real_step
 

@@ -357,7 +357,9 @@ def checkpoint_to_hf(checkpoint: str | Path, out: str | Path, **hf_overrides) ->
     config = config_from_json(ckpt.meta("model"), f"{ckpt.path}/manifest.json: field 'model'")
     shapes = GPT(config).param_shapes()
     params = {k: ckpt.read(f"params/{k}", shape=shape) for k, shape in shapes.items()}
-    return save_hf(out, config, params, **hf_overrides)
+    # parlay's vocabularies (bytes) have no special tokens: none for generate() to stop at.
+    overrides = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **hf_overrides}
+    return save_hf(out, config, params, **overrides)
 
 
 def hf_to_checkpoint(folder: str | Path, root: str | Path, *, step: int = 0, seq: int | None = None) -> Path:

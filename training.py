@@ -10,6 +10,7 @@ draws the progress bar.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -113,28 +114,52 @@ def _meta(spec: TrainSpec, count: int, history: dict) -> dict:
             "losses": history["losses"], "evals": history["evals"]}
 
 
-def check_resume(ckpt, spec: TrainSpec) -> None:
-    """A checkpoint continues this run only with the same model, data and optimizer."""
+class TrainingDiverged(RuntimeError):
+    """The loss stopped being a finite number."""
+
+
+def _check_model(ckpt, spec: TrainSpec) -> None:
     from .checkpoint import CheckpointError
     from .core.model import PRESETS
 
+    saved, want = ckpt.meta("model"), config_json(PRESETS[spec.preset])
+    if saved != want:
+        diff = ", ".join(f"{k} {saved.get(k)!r} vs {want.get(k)!r}" for k in sorted(set(saved) | set(want))
+                         if saved.get(k) != want.get(k))
+        raise CheckpointError(f"{ckpt.path}/manifest.json: field 'model' differs from --model {spec.preset}: {diff}")
+
+
+def check_init(ckpt, spec: TrainSpec) -> None:
+    """A checkpoint's parameters start this run only if its model is --model's."""
+    _check_model(ckpt, spec)
+    ckpt.open_all()
+
+
+def check_resume(ckpt, spec: TrainSpec) -> None:
+    """A checkpoint continues this run only with the same model, data and optimizer."""
+    from .checkpoint import CheckpointError
+
     where = f"{ckpt.path}/manifest.json"
-    if ckpt.meta("model") != config_json(PRESETS[spec.preset]):
-        raise CheckpointError(f"{where}: field 'model' is {ckpt.meta('model')}; --model {spec.preset} is "
-                              f"{config_json(PRESETS[spec.preset])}")
+    _check_model(ckpt, spec)
     data = ckpt.meta("data")
     want = {"seed": spec.seed, "batch": spec.batch, "files": list(spec.data), "max_bytes": spec.max_bytes}
     if data != want:
         raise CheckpointError(f"{where}: field 'data' is {data}; this run reads {want} (resume with the same "
                               f"--seed, --batch and --data)")
-    if ckpt.meta("optimizer") != asdict(spec.optimizer):
-        raise CheckpointError(f"{where}: field 'optimizer' is {ckpt.meta('optimizer')}; this run's is "
-                              f"{asdict(spec.optimizer)} (resume with the same --lr, --warmup, --steps)")
+    saved, want = ckpt.meta("optimizer"), asdict(spec.optimizer)
+    if saved != want:
+        diff = ", ".join(f"{k} {saved.get(k)!r} vs {want.get(k)!r}" for k in sorted(set(saved) | set(want))
+                         if saved.get(k) != want.get(k))
+        hint = (" (the cosine schedule ends at the run's --steps: resume with the same --steps; a run trained with "
+                "--no-cosine can be extended)") if saved.get("decay_steps") != want.get("decay_steps") else ""
+        raise CheckpointError(f"{where}: field 'optimizer' differs from this run's: {diff}{hint}")
     if ckpt.step >= spec.steps:
-        raise CheckpointError(f"{where}: the checkpoint is at step {ckpt.step}; --steps {spec.steps} is nothing more to do")
+        raise CheckpointError(f"{where}: the checkpoint is already at step {ckpt.step} and --steps is {spec.steps}: "
+                              f"nothing left to train")
     for key in ("losses", "evals"):
         if not isinstance(ckpt.meta(key), list):
             raise CheckpointError(f"{where}: field {key!r} must be a list")
+    ckpt.open_all()  # every tensor file's header, before any process starts
 
 
 def _crash_hook(step: int):
@@ -161,6 +186,9 @@ def _loop(session, spec: TrainSpec, corpus, emit: Callable, *, start: int = 0, h
     evalset = [corpus.batch_at(i, spec.batch, seq, seed=spec.seed, split="held_out") for i in range(spec.eval_batches)]
     for t in range(start, spec.steps):
         loss = session.step(*corpus.batch_at(t, spec.batch, seq, seed=spec.seed))
+        if not math.isfinite(loss):
+            raise TrainingDiverged(f"step {t + 1}: the loss is {loss}; training diverged (lower --lr, or check the "
+                                   f"data and the checkpoint it started from)")
         history["losses"].append(loss)
         emit(("step", t + 1, loss))
         if spec.eval_batches and ((t + 1) % spec.eval_every == 0 or t + 1 == spec.steps):
@@ -195,15 +223,15 @@ class _JaxSession:
     def checkpoint_tensors(self):
         return self.ts.checkpoint_tensors(self.state)
 
-    def restore(self, ckpt) -> None:
-        self.state = self.ts.restore(ckpt)
+    def restore(self, ckpt, params_only: bool = False) -> None:
+        self.state = self.ts.restore(ckpt, params_only=params_only)
 
 
 def _history(ckpt) -> dict:
     return {"losses": list(ckpt.meta("losses")), "evals": [list(e) for e in ckpt.meta("evals")]} if ckpt else None
 
 
-def _torch_worker(rank, spec: TrainSpec, events, resume: str | None):
+def _torch_worker(rank, spec: TrainSpec, events, resume: str | None, init_from: str | None = None):
     import torch.distributed as dist
 
     from .backends.torch.train import ShardedModel, ShardedTrainer
@@ -217,6 +245,8 @@ def _torch_worker(rank, spec: TrainSpec, events, resume: str | None):
     ckpt = Checkpoint(resume) if resume else None
     if ckpt:
         trainer.restore(ckpt)
+    elif init_from:
+        trainer.restore(Checkpoint(init_from), params_only=True)
     _loop(trainer, spec, _corpus(spec), events.put if rank == 0 else (lambda e: None),
           start=ckpt.step if ckpt else 0, history=_history(ckpt), rank=rank, barrier=dist.barrier)
     if rank == 0:  # flush the events into the pipe before spawn may stop this process
@@ -226,7 +256,7 @@ def _torch_worker(rank, spec: TrainSpec, events, resume: str | None):
 
 
 def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: None, *,
-              resume: str | None = None) -> TrainResult:
+              resume: str | None = None, init_from: str | None = None) -> TrainResult:
     """Train (from the checkpoint folder ``resume``, if given); ``on_event(("step", t, loss))``
     after each step, ``("eval", t, loss)`` after each evaluation, ``("checkpoint", t, path)``
     after each save (in this process, whichever backend runs)."""
@@ -258,6 +288,8 @@ def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: Non
         session = _JaxSession(spec)
         if ckpt:
             session.restore(ckpt)
+        elif init_from:
+            session.restore(Checkpoint(init_from), params_only=True)
         _loop(session, spec, _corpus(spec), record, start=ckpt.step if ckpt else 0, history=_history(ckpt))
     elif spec.backend == "torch":
         import multiprocessing as mp
@@ -269,7 +301,7 @@ def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: Non
 
         def launch():
             try:
-                spawn(_torch_worker, int(np.prod([n for _, n in spec.mesh])), spec, events, resume, timeout_s=3600)
+                spawn(_torch_worker, int(np.prod([n for _, n in spec.mesh])), spec, events, resume, init_from, timeout_s=3600)
             except BaseException as e:
                 failure.append(e)
             finally:

@@ -22,6 +22,10 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self):
+        bad = [k for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "clip", "min_lr_ratio")
+               if not math.isfinite(getattr(self, k))]
+        if bad:
+            raise ValueError(f"OptimizerConfig: {bad[0]}={getattr(self, bad[0])!r} must be a finite number.")
         problems = [f"{k}={getattr(self, k)!r} must be >= 0" for k in ("lr", "eps", "weight_decay", "clip", "warmup",
                                                                        "decay_steps") if getattr(self, k) < 0]
         problems += [f"{k}={getattr(self, k)!r} must be in [0, 1)" for k in ("beta1", "beta2")

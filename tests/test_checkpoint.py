@@ -86,7 +86,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_resume_works(tm
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
     d = tmp_path_factory.mktemp("good")
-    assert main(["train", *COMMON, "--steps", "2", "--backend", "jax", "--mesh", "tp=2", "--strategy", "tp",
+    assert main(["train", *COMMON, "--steps", "2", "--warmup", "1", "--backend", "jax", "--mesh", "tp=2", "--strategy", "tp",
                  "--checkpoint-dir", str(d), "--checkpoint-every", "2"]) == 0
     return latest(d)
 
@@ -123,6 +123,27 @@ def test_truncated_tensor_file(copy):
     f.write_bytes(data[:len(data) // 2])  # the header intact, the tensors cut
     assert _error(copy) == (f"{f}: not a readable safetensors file (Error while deserializing header: incomplete "
                             f"metadata, file not fully covered)")
+
+
+def test_corrupted_tensor_bytes(copy):
+    """Bytes changed inside a block (not its header): the block's SHA-256 catches it."""
+    f = copy / "rank-00000.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5000:-4000] = bytes(1000)
+    f.write_bytes(bytes(data))
+    c = Checkpoint(copy)
+    bad = [name for name in c.tensors if _fails(c, name)]
+    assert bad, "no tensor noticed the corruption"
+    with pytest.raises(CheckpointError, match=r"rank-00000.safetensors: tensor '.*' does not match its SHA-256 \(the file is corrupted\)"):
+        c.read(bad[0])
+
+
+def _fails(c, name) -> bool:
+    try:
+        c.read(name)
+    except CheckpointError:
+        return True
+    return False
 
 
 def test_malformed_manifest(copy):
@@ -203,9 +224,14 @@ def test_bad_resume_flags(flags, message, capsys):
 def test_resume_with_another_model_or_seed_is_refused(good, tmp_path, capsys):
     d = tmp_path / "c"
     shutil.copytree(good, d / good.name)
-    base = ["train", *COMMON, "--backend", "jax", "--mesh", "tp=2", "--strategy", "tp", "--checkpoint-dir", str(d), "--resume"]
+    base = ["train", *COMMON, "--warmup", "1", "--backend", "jax", "--mesh", "tp=2", "--strategy", "tp",
+            "--checkpoint-dir", str(d), "--resume"]
     assert main([*base, "--model", "tiny-gqa"]) == 2
-    assert "field 'model' is" in capsys.readouterr().err
+    assert "field 'model' differs from --model tiny-gqa: kv_heads 8 vs 4" in capsys.readouterr().err
+    assert main([*base, "--steps", "9"]) == 2
+    assert "field 'optimizer' differs from this run's: decay_steps 2 vs 9 (the cosine schedule ends" in capsys.readouterr().err
+    assert main([*base, "--steps", "2"]) == 2
+    assert "the checkpoint is already at step 2 and --steps is 2: nothing left to train" in capsys.readouterr().err
     assert main([*base, "--seed", "1"]) == 2
     assert "resume with the same --seed, --batch and --data" in capsys.readouterr().err
 
@@ -223,3 +249,17 @@ def test_a_checkpoint_exports_to_a_hugging_face_folder_and_back(good, tmp_path):
     for name in [n for n in src.tensors if n.startswith("params/")]:
         np.testing.assert_array_equal(back.read(name), src.read(name))
     assert back.meta("model") == src.meta("model") and back.meta("count") == 0
+
+
+def test_init_from_an_imported_hugging_face_checkpoint(good, tmp_path):
+    """export-hf, import-hf, then train --init-from: the same steps as starting from the original
+    checkpoint's parameters (fresh optimizer), and not those of a fresh initialisation."""
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(good), str(out)]) == 0
+    assert main(["import-hf", str(out), str(tmp_path / "imported")]) == 0
+    flags = ["--backend", "jax", "--mesh", "dp=2", "--strategy", "dp", "--steps", "3", "--warmup", "0"]
+    from_hf = _train(tmp_path, "a", *flags, "--init-from", str(tmp_path / "imported" / "step-00000000"))
+    direct = _train(tmp_path, "b", *flags, "--init-from", str(good))
+    fresh = _train(tmp_path, "c", *flags)
+    assert from_hf["losses"] == direct["losses"] and from_hf["init_from"].endswith("step-00000000")
+    assert abs(from_hf["losses"][0] - fresh["losses"][0]) > 1e-3

@@ -66,6 +66,9 @@ def test_bisect_of_agreeing_runs_finds_nothing():
     (["compare", "--mesh", "dp=2", "--strategy", "tp"], "parlay: strategy 'tp' cannot run on Mesh(dp=2)"),
     (["compare", "--drop-all-reduce", "blocks.9"], "parlay: --drop-all-reduce 'blocks.9' is not a layer of tiny; layers are"),
     (["compare", "--drop-all-reduce", "blocks.0.mlp"], "parlay: --drop-all-reduce plants its fault in JAX explicit mode only"),
+    (["compare", "--backends", "jax,jax"], "parlay: --backends 'jax,jax' names a backend twice"),
+    (["compare", "--mesh", "dp=2", "--strategy", "dp", "--steps", "1", "--backends", "jax", "--plot", "",
+      "--drop-all-reduce", "blocks.0.mlp"], "parlay: --drop-all-reduce blocks.0.mlp: no forward all-reduce ran in that layer"),
 ])
 def test_bad_flags(argv, message, capsys):
     assert main(argv) == 2

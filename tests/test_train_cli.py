@@ -55,10 +55,27 @@ def test_torch_training_goes_well_below_the_unigram_entropy(tmp_path, capsys):
     (["train", "--mesh", "dp=4", "--strategy", "tp"], "parlay: strategy 'tp' cannot run on Mesh(dp=4)"),
     (["train", "--backend", "jax", "--mesh", "dp=128", "--strategy", "dp"], "parlay: --mesh 'dp=128' has 128 ranks; this machine can simulate at most 64"),
     (["train", "--data", "/no/such/file.txt"], "parlay: --data '/no/such/file.txt' does not exist"),
-    (["train", "--steps", "0"], "parlay: --steps 0 and --batch 16 must be positive"),
+    (["train", "--steps", "0"], "parlay: --steps 0 must be positive"),
+    (["train", "--backend", "torch", "--mode", "gspmd"], "parlay: --mode gspmd chooses JAX's execution mode; it does nothing with --backend torch"),
+    (["train", "--steps", "10", "--warmup", "100"], "parlay: --warmup 100 is longer than --steps 10"),
+    (["train", "--keep-last", "0"], "parlay: --keep-last 0 must be >= 1"),
+    (["train", "--lr", "nan"], "parlay: OptimizerConfig: lr=nan must be a finite number."),
     (["train", "--backend", "mxnet"], "parlay train: argument --backend: invalid choice: 'mxnet'"),
 ])
 def test_bad_flags(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err, err
+
+
+def test_a_diverging_run_stops_with_one_line_and_exit_1(monkeypatch, capsys):
+    from parlay import training
+
+    class Diverges:
+        def step(self, x, y):
+            return float("nan")
+
+    monkeypatch.setattr(training, "_JaxSession", lambda spec: Diverges())
+    assert main(["train", "--backend", "jax", "--mesh", "dp=2", "--strategy", "dp", "--steps", "5", "--warmup", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "parlay: step 1: the loss is nan; training diverged (lower --lr, or check the data and the checkpoint it started from)"

@@ -224,9 +224,9 @@ class TrainStep:
             tensors.append((name, tuple(arr.shape), str(layout), list(pieces.values())))
         return tensors, blocks, count
 
-    def restore(self, ckpt) -> dict:
+    def restore(self, ckpt, params_only: bool = False) -> dict:
         """A state from a checkpoint saved by any backend, strategy or mesh: each device's block
-        is read from the pieces it overlaps."""
+        is read from the pieces it overlaps. ``params_only``: a fresh optimizer state."""
         shapes = self.model.param_shapes()
 
         def load(name, shape, sharding):
@@ -236,6 +236,8 @@ class TrainStep:
         if self.mode is Mode.SINGLE:
             raise ValueError("restore into a sharded run (mode explicit or gspmd).")
         params = {k: load(f"params/{k}", shapes[k], self._sharding(self.layouts["params"][k])) for k in shapes}
+        if params_only:
+            return {"params": params, "opt": self.init_opt(params)}
         count = ckpt.meta("count")
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"{ckpt.path}/manifest.json: field 'count' must be a non-negative int, not {count!r}")

@@ -262,11 +262,11 @@ class ShardedTrainer:
                 mine[piece.key] = value.cpu().numpy()
         return tensors, ({f"rank-{rank:05d}.safetensors": mine} if mine else {}), self.updates
 
-    def restore(self, ckpt) -> None:
+    def restore(self, ckpt, params_only: bool = False) -> None:
         """Parameters, AdamW moments and the update count from a checkpoint of any backend,
-        strategy or mesh; this rank reads only its blocks."""
+        strategy or mesh; this rank reads only its blocks. ``params_only``: a fresh optimizer."""
         rank, lay = self.sm.tm.rank, self.sm.layouts
-        count = ckpt.meta("count")
+        count = 0 if params_only else ckpt.meta("count")
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"{ckpt.path}/manifest.json: field 'count' must be a non-negative int, not {count!r}")
 
@@ -281,6 +281,8 @@ class ShardedTrainer:
                 shape, layout = self.sm.shapes[k], lay["optimizer"][k]
                 if k not in self.shared:
                     m.copy_(block(f"params/{k}", layout, shape))
+                if params_only:
+                    continue
                 self.opt.state[m] = {"step": torch.tensor(float(count)),
                                      "exp_avg": block(f"opt/mu/{k}", layout, shape),
                                      "exp_avg_sq": block(f"opt/nu/{k}", layout, shape)}
