@@ -260,6 +260,8 @@ def test_init_from_an_imported_hugging_face_checkpoint(good, tmp_path):
     flags = ["--backend", "jax", "--mesh", "dp=2", "--strategy", "dp", "--steps", "3", "--warmup", "0"]
     from_hf = _train(tmp_path, "a", *flags, "--init-from", str(tmp_path / "imported" / "step-00000000"))
     direct = _train(tmp_path, "b", *flags, "--init-from", str(good))
+    on_torch = _train(tmp_path, "t", *flags, "--backend", "torch", "--init-from", str(good))
     fresh = _train(tmp_path, "c", *flags)
     assert from_hf["losses"] == direct["losses"] and from_hf["init_from"].endswith("step-00000000")
+    np.testing.assert_allclose(on_torch["losses"], direct["losses"], rtol=1e-5)
     assert abs(from_hf["losses"][0] - fresh["losses"][0]) > 1e-3
