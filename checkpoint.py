@@ -112,6 +112,9 @@ def write_file(tmp: Path, file: str, tensors: Mapping[str, np.ndarray]) -> None:
 
     if not _FILE.match(file):
         raise ValueError(f"checkpoint file name {file!r} is not rank-NNNNN.safetensors.")
+    bad = [k for k, v in tensors.items() if np.asarray(v).dtype != np.float32]
+    if bad:
+        raise ValueError(f"checkpoint: {bad[0]} is {np.asarray(tensors[bad[0]]).dtype}; checkpoints hold float32.")
     path = tmp / file
     part = path.with_suffix(".partial")
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
@@ -157,6 +160,12 @@ def commit_save(root: str | os.PathLike, step: int, manifest: Mapping[str, Any],
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    missing = sorted({p["file"] for t in manifest["tensors"].values() for p in t["pieces"]}
+                     - {f.name for f in tmp.iterdir()})
+    if missing:  # e.g. ranks on another node without a shared filesystem
+        raise CheckpointError(f"{tmp}: {missing[0]} (and {len(missing) - 1} more) missing at commit; every rank must "
+                              f"write into the same folder (a filesystem all ranks share)")
+    _fsync_dir(tmp)
     if crash_hook:
         crash_hook("before-rename")
     if final.exists():  # the same step saved again (a resumed run): replace it
@@ -168,9 +177,12 @@ def commit_save(root: str | os.PathLike, step: int, manifest: Mapping[str, Any],
     else:
         os.rename(tmp, final)
     _fsync_dir(Path(root))
-    if keep_last is not None:
-        for old in committed(root)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old)
+    if keep_last is not None:  # only older steps than the one just committed
+        older = [p for p in committed(root) if int(_DIR.match(p.name).group(1)) < step]
+        for old in older[:max(0, len(older) - (keep_last - 1))] if keep_last > 0 else []:
+            gone = old.with_suffix(".del")
+            os.rename(old, gone)  # out of `committed` at once, then deleted
+            shutil.rmtree(gone)
     return final
 
 
@@ -239,6 +251,7 @@ class Checkpoint:
         self.step: int = m["step"]
         self.tensors: dict[str, TensorEntry] = {name: self._entry(name, t) for name, t in m["tensors"].items()}
         self._files: dict[str, Any] = {}
+        self._verified: set = set()  # (file, key) whose bytes matched their SHA-256
 
     def _entry(self, name: str, t) -> TensorEntry:
         where = f"{self._where}: tensor {name!r}"
@@ -302,8 +315,12 @@ class Checkpoint:
         read from the pieces it overlaps only, each checked against its SHA-256."""
         e = self.entry(name, shape)
         region = tuple(region) if region is not None else tuple(slice(0, n) for n in e.shape)
-        lo = [s.start or 0 for s in region]
+        if len(region) != len(e.shape):
+            raise ValueError(f"read {name!r}: {len(region)} slices for a tensor of {len(e.shape)} dims")
+        lo = [0 if s.start is None else s.start for s in region]
         hi = [n if s.stop is None else s.stop for s, n in zip(region, e.shape)]
+        if any(s.step not in (None, 1) or not 0 <= a < b <= n for s, a, b, n in zip(region, lo, hi, e.shape)):
+            raise ValueError(f"read {name!r}: region {region} is not a non-empty box inside the shape {e.shape}")
         out = np.empty([b - a for a, b in zip(lo, hi)], DTYPES[e.dtype])
         for p in e.pieces:
             a = [max(x, y) for x, y in zip(lo, p.start)]
@@ -319,13 +336,14 @@ class Checkpoint:
             if list(sl.get_shape()) != want or sl.get_dtype() != _ST_DTYPES[e.dtype]:
                 raise CheckpointError(f"{path}: tensor {p.key!r} is {sl.get_dtype()} {sl.get_shape()}; the manifest "
                                       f"says {_ST_DTYPES[e.dtype]} {want}")
-            piece = f.get_tensor(p.key)  # whole, to check its bytes
-            digest = (f.metadata() or {}).get(p.key)
-            if digest is None:
-                raise CheckpointError(f"{path}: no SHA-256 for tensor {p.key!r} in the file's header")
-            if _sha256(piece) != digest:
-                raise CheckpointError(f"{path}: tensor {p.key!r} does not match its SHA-256 (the file is corrupted)")
-            block = piece[tuple(slice(x - s, y - s) for x, y, s in zip(a, b, p.start))]
+            if (p.file, p.key) not in self._verified:  # once per piece: read it whole and hash it
+                digest = (f.metadata() or {}).get(p.key)
+                if digest is None:
+                    raise CheckpointError(f"{path}: no SHA-256 for tensor {p.key!r} in the file's header")
+                if _sha256(f.get_tensor(p.key)) != digest:
+                    raise CheckpointError(f"{path}: tensor {p.key!r} does not match its SHA-256 (the file is corrupted)")
+                self._verified.add((p.file, p.key))
+            block = sl[tuple(slice(x - s, y - s) for x, y, s in zip(a, b, p.start))]
             out[tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo))] = block
         return out
 

@@ -303,6 +303,13 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                      keep_last=args.keep_last)
+    if args.checkpoint_dir and not args.resume:
+        from .checkpoint import latest
+
+        newest = latest(args.checkpoint_dir)
+        if newest is not None:
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints of a run (newest "
+                             f"{newest.name}); --resume it, or give a new folder")
     resume = None
     if args.resume:
         from .checkpoint import Checkpoint, latest

@@ -197,6 +197,9 @@ def _loop(session, spec: TrainSpec, corpus, emit: Callable, *, start: int = 0, h
             emit(("eval", t + 1, ev))
         if spec.checkpoint_dir and spec.checkpoint_every and ((t + 1) % spec.checkpoint_every == 0 or t + 1 == spec.steps):
             tensors, blocks, count = session.checkpoint_tensors()
+            if not all(np.isfinite(a).all() for data in blocks.values() for a in data.values()):
+                raise TrainingDiverged(f"step {t + 1}: the parameters or optimizer states are no longer finite; "
+                                       f"no checkpoint saved (lower --lr)")
             checkpoint.save(spec.checkpoint_dir, t + 1, tensors, blocks, _meta(spec, count, history), lead=rank == 0,
                             barrier=barrier, keep_last=spec.keep_last, crash_hook=_crash_hook(t + 1))
             emit(("checkpoint", t + 1, str(checkpoint.step_dir(spec.checkpoint_dir, t + 1))))
@@ -301,7 +304,8 @@ def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: Non
 
         def launch():
             try:
-                spawn(_torch_worker, int(np.prod([n for _, n in spec.mesh])), spec, events, resume, init_from, timeout_s=3600)
+                spawn(_torch_worker, int(np.prod([n for _, n in spec.mesh])), spec, events, resume, init_from,
+                      timeout_s=600, wall_s=None)  # a collective may take 10 minutes; the run, any time
             except BaseException as e:
                 failure.append(e)
             finally:
@@ -313,11 +317,14 @@ def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: Non
             try:
                 event = events.get(timeout=1.0)
             except queue.Empty:
+                if not thread.is_alive():  # the sentinel may never come if a rank died mid-put
+                    break
                 continue
             if event is None:
                 break
             record(event)
         thread.join()
+        events.cancel_join_thread()
         if failure:
             raise failure[0]
     else:

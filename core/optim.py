@@ -30,6 +30,8 @@ class OptimizerConfig:
                                                                        "decay_steps") if getattr(self, k) < 0]
         problems += [f"{k}={getattr(self, k)!r} must be in [0, 1)" for k in ("beta1", "beta2")
                      if not 0 <= getattr(self, k) < 1]
+        if 0 < self.decay_steps <= self.warmup:
+            problems.append(f"decay_steps={self.decay_steps} must be past warmup={self.warmup} (0: no decay)")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
         if problems:

@@ -265,3 +265,30 @@ def test_init_from_an_imported_hugging_face_checkpoint(good, tmp_path):
     assert from_hf["losses"] == direct["losses"] and from_hf["init_from"].endswith("step-00000000")
     np.testing.assert_allclose(on_torch["losses"], direct["losses"], rtol=1e-5)
     assert abs(from_hf["losses"][0] - fresh["losses"][0]) > 1e-3
+
+
+def test_pruning_keeps_newer_steps_and_a_new_run_refuses_a_used_folder(good, tmp_path, capsys):
+    from parlay import checkpoint
+
+    d = tmp_path / "c"
+    shutil.copytree(good, d / "step-00000300")
+    c = Checkpoint(d / "step-00000300")
+    meta = {k: v for k, v in c.manifest.items() if k not in ("format", "version", "step", "tensors")}
+    tensors = [(n, e.shape, e.layout, e.pieces) for n, e in c.tensors.items()]
+    blocks = {}
+    for e in c.tensors.values():
+        for p in e.pieces:
+            blocks.setdefault(p.file, {})[p.key] = c.read(e.name, tuple(slice(a, b) for a, b in zip(p.start, p.stop)))
+    checkpoint.save(d, 100, tensors, blocks, meta, keep_last=1)  # an older step than one already there
+    assert [p.name for p in committed(d)] == ["step-00000100", "step-00000300"]
+    assert main(["train", "--backend", "jax", "--mesh", "tp=2", "--strategy", "tp", "--checkpoint-dir", str(d),
+                 "--checkpoint-every", "2"]) == 2
+    assert "already holds checkpoints of a run (newest step-00000300); --resume it, or give a new folder" in capsys.readouterr().err
+
+
+def test_reading_outside_the_tensor_is_refused(good):
+    c = Checkpoint(good)
+    with pytest.raises(ValueError, match=r"region .* is not a non-empty box inside the shape \(256, 64\)"):
+        c.read("params/embed.table", (slice(250, 260), slice(0, 64)))
+    with pytest.raises(ValueError, match="1 slices for a tensor of 2 dims"):
+        c.read("params/embed.table", (slice(0, 4),))

@@ -93,3 +93,28 @@ def test_compare_agrees_for_every_strategy_on_every_backend(strategy, axes):
     assert [r.name for r in runs] == ["torch", "jax", "jax-gspmd"]
     for r in runs:
         assert r.agree, (r.name, r.loss_diff, r.grad_diff, r.param_diff)
+
+
+def test_bisect_flags_nan_and_inexact_data_moves():
+    """A NaN output parts from the reference (NaN compares false with any tolerance); a gather
+    must move data exactly, while a sum may differ by rounding relative to its addends."""
+    from parlay.bisection import Probe, check_step, compare_probes
+    from parlay.core import Layout, Mesh, P, plan_redistribute, scatter
+
+    ref = [Probe(0, "embed", "embed", value=np.ones(4)), Probe(1, "add", "blocks.0", value=np.ones(4))]
+    got = [Probe(0, "embed", "embed", value=np.ones(4)), Probe(1, "add", "blocks.0", value=np.array([1, np.nan, 1, 1]))]
+    report = compare_probes("jax", ref, got)
+    assert report.first_op is got[1]
+    mesh = Mesh(tp=2)
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    gather_plan = plan_redistribute(Layout(mesh, P("tp")), Layout(mesh, P()), x.shape, itemsize=4)
+    before = scatter(x, Layout(mesh, P("tp")))
+    assert check_step(gather_plan, 0, before, [x, x]).ok
+    nudged = x.copy()
+    nudged[0, 0] = np.nextafter(nudged[0, 0], np.float32(9))
+    assert not check_step(gather_plan, 0, before, [x, nudged]).ok
+    sum_plan = plan_redistribute(Layout(mesh, P(), partial=("tp",)), Layout(mesh, P()), x.shape, itemsize=4)
+    addends = [x, -x + np.float32(1e-3)]  # a sum that nearly cancels
+    total = addends[0] + addends[1]
+    assert check_step(sum_plan, 0, addends, [total * np.float32(1 + 1e-6)] * 2).ok
+    assert not check_step(sum_plan, 0, addends, [total * 0] * 2).ok

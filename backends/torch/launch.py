@@ -52,11 +52,14 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, fn, args, result
                 pass
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0) -> list[Any]:
+def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0,
+          wall_s: float | None = -1) -> list[Any]:
     """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each in its own gloo process.
 
     ``fn`` must be importable (a module-level function). Raises ``RankFailure`` naming the first
-    rank that failed, or the ranks still running when ``timeout_s`` passed.
+    rank that failed, or the ranks still running when ``timeout_s`` passed. ``timeout_s`` bounds
+    each collective (a rank stuck in one fails); ``wall_s`` bounds the whole run (default
+    ``timeout_s`` + 30 s; ``None``: no bound, for training runs of any length).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; spawn needs at least one rank.")
@@ -68,7 +71,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s + 30  # the ranks' own collective timeout fires first
+    wall = timeout_s + 30 if wall_s == -1 else wall_s  # the ranks' own collective timeout fires first
+    deadline = None if wall is None else time.monotonic() + wall
     try:
         while len(out) < world_size:
             try:
@@ -80,9 +84,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
                         f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) before returning; the "
                         f"other ranks were stopped."
                     ) from None
-                if time.monotonic() > deadline:
+                if deadline is not None and time.monotonic() > deadline:
                     waiting = [r for r in range(world_size) if r not in out]
-                    raise RankFailure(f"ranks {waiting} did not finish within {timeout_s:.0f} s; stopped them.") from None
+                    raise RankFailure(f"ranks {waiting} did not finish within {wall:.0f} s; stopped them.") from None
                 continue
             if not ok:
                 raise RankFailure(f"rank {rank} failed: {value}")

@@ -213,6 +213,7 @@ class ShardedTrainer:
 
         for p in self.local.values():
             p.grad = None
+        self.sm.log.entries.clear()  # the collectives of this step only (a long run would grow it)
         loss = self.module(tokens, targets)
         self.sm.backward(loss)
         mesh, lay = self.sm.mesh, self.sm.layouts
