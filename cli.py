@@ -281,9 +281,9 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--eval-batches {args.eval_batches} must be >= 0")
     if args.mode is not None and args.backend != "jax":
         raise UsageError(f"--mode {args.mode} chooses JAX's execution mode; it does nothing with --backend {args.backend}")
-    if args.warmup > args.steps:
-        raise UsageError(f"--warmup {args.warmup} is longer than --steps {args.steps}: the peak rate would never be "
-                         f"reached; lower --warmup")
+    if args.warmup and args.warmup >= args.steps:
+        raise UsageError(f"--warmup {args.warmup} is not shorter than --steps {args.steps}: the rate would never "
+                         f"reach its peak and decay; lower --warmup (0: none)")
     for f in args.data or ():
         if not os.path.isfile(f):
             raise UsageError(f"--data {f!r} does not exist or is not a file; name readable text files "
