@@ -135,19 +135,10 @@ def _cmd_redistribute(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_step(args: argparse.Namespace, console: Console) -> int:
-    from .core.model import PRESETS
-    from .core.strategies import get_strategy
     from .steps_cli import run_steps
 
     mesh = parse_mesh(args.mesh)
-    if args.model not in PRESETS:
-        raise UsageError(f"--model {args.model!r} is unknown; presets are {', '.join(PRESETS)}")
-    get_strategy(args.strategy)
-    if args.steps < 1 or args.batch < 1:
-        raise UsageError("--steps and --batch must be positive")
-    limit = os.cpu_count() * 16 if args.backend == "torch" else 64
-    if mesh.size > limit:
-        raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; this machine can simulate at most {limit}")
+    _check_run(args, mesh, backend=args.backend)
     rows = run_steps(args.backend, args.model, args.strategy, mesh, batch=args.batch, steps=args.steps,
                      seed=args.seed, ranks=args.ranks, mode=args.mode)
     what = f"{args.backend}" + (f" ({args.mode})" if args.backend == "jax" else f" ({mesh.size} gloo ranks)")
@@ -165,23 +156,17 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import json
 
     from .compare import BACKENDS, Tolerance, plot_compare, run_compare
-    from .core.model import PRESETS
-    from .core.strategies import get_strategy
 
     mesh = parse_mesh(args.mesh)
-    if args.model not in PRESETS:
-        raise UsageError(f"--model {args.model!r} is unknown; presets are {', '.join(PRESETS)}")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
     if len(set(backends)) < len(backends):
         raise UsageError(f"--backends {args.backends!r} names a backend twice")
     if bad or not backends:
         raise UsageError(f"--backends {args.backends!r}: {bad[0] if bad else 'none given'} is not a backend; choose from {','.join(BACKENDS)}")
-    if args.steps < 1 or args.batch < 1:
-        raise UsageError("--steps and --batch must be positive")
     if mesh.size > 8:
         raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; compare runs every backend on this machine, at most 8")
-    get_strategy(args.strategy).check(mesh, PRESETS[args.model], batch=args.batch)
+    _check_run(args, mesh, backend="torch")
     tol = Tolerance()
     fault = contextlib.nullcontext()
     if args.drop_all_reduce:
@@ -247,8 +232,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
 
 def _check_run(args, mesh: Mesh, *, backend: str) -> None:
-    """The flags every training command shares: model, strategy on mesh, sizes, machine limits."""
-    from .core.model import PRESETS
+    """The flags every command that runs the model shares: model, strategy on mesh, sizes,
+    machine limits."""
     from .core.strategies import get_strategy
 
     if args.model not in PRESETS:
@@ -268,7 +253,6 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .core.model import PRESETS
     from .core.optim import OptimizerConfig
     from .data import load_corpus
     from .training import TrainSpec, run_train, spec_json
@@ -391,6 +375,18 @@ def _cmd_import_hf(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: str | None = None,
+                   strategy: str | None = None) -> None:
+    """The flags of every command that runs the model (checked by ``_check_run``); a ``None``
+    default makes the flag required."""
+    p.add_argument("--model", default="tiny", help="a preset: " + ", ".join(PRESETS))
+    p.add_argument("--mesh", default=mesh, required=mesh is None, help="mesh axes and sizes, e.g. dp=2,tp=4")
+    p.add_argument("--strategy", default=strategy, required=strategy is None, help="e.g. tp, fsdp+tp, dp+tp_sp")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="parlay", description="Parallel layouts written once, run on PyTorch and JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -415,12 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "On the torch backend parlay starts one gloo process per rank itself.",
     )
     t.add_argument("--backend", choices=("torch", "jax"), default="torch")
-    t.add_argument("--mesh", required=True, help="mesh axes and sizes, e.g. dp=2,tp=2")
-    t.add_argument("--strategy", required=True, help="e.g. tp, fsdp+tp, dp+tp_sp")
-    t.add_argument("--model", default="tiny", help="a preset: " + ", ".join(PRESETS))
-    t.add_argument("--steps", type=int, default=5)
-    t.add_argument("--batch", type=int, default=8)
-    t.add_argument("--seed", type=int, default=0)
+    _add_run_flags(t, steps=5, batch=8)
     t.add_argument("--ranks", type=int, default=None, help="torch: processes to spawn (default: the mesh size)")
     t.add_argument("--mode", choices=("explicit", "gspmd"), default="explicit", help="jax: execution mode")
     t.set_defaults(run=_cmd_step)
@@ -431,12 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "for N AdamW steps on the Python standard library's bytes; print the losses and the largest "
                     "relative differences; exit 1 if a backend disagrees beyond the tolerance.",
     )
-    c.add_argument("--model", default="tiny")
-    c.add_argument("--mesh", default="dp=2,tp=2")
-    c.add_argument("--strategy", default="dp+tp")
-    c.add_argument("--steps", type=int, default=5)
-    c.add_argument("--batch", type=int, default=8)
-    c.add_argument("--seed", type=int, default=0)
+    _add_run_flags(c, steps=5, batch=8, mesh="dp=2,tp=2", strategy="dp+tp")
     c.add_argument("--backends", default="torch,jax,jax-gspmd", help="which to run against the reference")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
     c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
@@ -453,16 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--backend", choices=("torch", "jax"), default="torch")
     tr.add_argument("--mode", choices=("explicit", "gspmd"), default=None, help="jax: execution mode (default explicit)")
-    tr.add_argument("--mesh", default="dp=2,tp=2", help="mesh axes and sizes (default dp=2,tp=2)")
-    tr.add_argument("--strategy", default="dp+tp", help="e.g. tp, fsdp+tp, dp+tp_sp (default dp+tp)")
-    tr.add_argument("--model", default="tiny", help="a preset: " + ", ".join(PRESETS))
-    tr.add_argument("--steps", type=int, default=300)
-    tr.add_argument("--batch", type=int, default=16)
+    _add_run_flags(tr, steps=300, batch=16, mesh="dp=2,tp=2", strategy="dp+tp")
     tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     tr.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
     tr.add_argument("--no-cosine", dest="cosine", action="store_false",
                     help="keep the rate after warmup (default: cosine decay to 10%% at the last step)")
-    tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--eval-every", type=int, default=50, help="held-out loss every K steps (and at the end)")
     tr.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
     tr.add_argument("--data", nargs="+", default=None, metavar="FILE", help="train on these text files")

@@ -17,7 +17,6 @@ D, ``rotate_half``) are parlay's. ``transformers`` is imported only when a funct
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
