@@ -92,16 +92,23 @@ def _jax_run(model, params, batches, mode, strategy=None, mesh=None):
 
 
 @contextlib.contextmanager
-def drop_all_reduce(layer: str):
-    """Fault injection, to watch the bisect work: in JAX explicit mode, every forward all-reduce
-    run while ``layer`` (a parameter-name prefix, e.g. ``blocks.1.mlp``) is the latest layer asked
-    for its parameters returns its input unchanged."""
-    from .backends.jax import collectives
-    from .backends.jax.explicit import ExplicitOps
+def drop_all_reduce(layer: str, backend: str = "jax"):
+    """Fault injection, to watch the bisect work: in the explicit executor of ``backend`` ("jax":
+    shard_map, "torch": this process's ranks), every forward all-reduce run while ``layer`` (a
+    parameter-name prefix, e.g. ``blocks.1.mlp``) is the latest layer asked for its parameters
+    returns its input unchanged. Yields ``{"count": n}``, the all-reduces dropped so far."""
     from .core import AllReduce
 
-    real_param, real_step, scope = ExplicitOps.param, collectives.run_step, {"name": ""}
-    dropped = {"count": 0}  # how many all-reduces were dropped (traced), for the caller to check
+    if backend == "jax":
+        from .backends.jax import collectives as steps
+        from .backends.jax.explicit import ExplicitOps
+    elif backend == "torch":
+        from .backends.torch import explicit as steps
+        from .backends.torch.explicit import ExplicitOps
+    else:
+        raise ValueError(f"drop_all_reduce: backend {backend!r} is not jax or torch.")
+    real_param, real_step, scope = ExplicitOps.param, steps.run_step, {"name": ""}
+    dropped = {"count": 0}
 
     def param(self, name, value, dims):
         scope["name"] = name
@@ -113,11 +120,11 @@ def drop_all_reduce(layer: str):
             return x
         return real_step(step, x, *args)
 
-    ExplicitOps.param, collectives.run_step = param, run_step
+    ExplicitOps.param, steps.run_step = param, run_step
     try:
         yield dropped
     finally:
-        ExplicitOps.param, collectives.run_step = real_param, real_step
+        ExplicitOps.param, steps.run_step = real_param, real_step
 
 
 def run_compare(preset: str, strategy: str, mesh, *, steps: int, batch: int, backends=BACKENDS, seed: int = 0,

@@ -10,22 +10,12 @@ import torch.distributed as dist
 from parlay import Mesh
 from parlay.backends.torch.train import ShardedModel
 from parlay.core.model import GPT, PRESETS
+from sharded_case import run_case
 
 
 def batch(config, seed=0, n=8):
     tokens = np.random.default_rng(seed).integers(0, config.vocab, (n, config.seq + 1))
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def _run_case(rank, model, params, x, y, strategy, axes, bucket_bytes, coalesce):
-    """One step's loss, global grads (rank 0), forward and backward collective counts."""
-    sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=bucket_bytes, coalesce=coalesce)
-    local = sm.shard(params)
-    loss = sm.loss(local, x, y)
-    sm.backward(loss)
-    grads = sm.gather_grads(local)
-    count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
-    return float(loss.detach()), grads if rank == 0 else None, count(False), count(True)
 
 
 def _key(strategy, axes) -> str:
@@ -37,7 +27,7 @@ def loss_and_grads(rank, preset, cases, bucket_bytes=None, coalesce=False):
     model = GPT(PRESETS[preset])
     params = model.init(0)
     x, y = batch(model.config)
-    return {_key(strategy, axes): _run_case(rank, model, params, x, y, strategy, axes, bucket_bytes, coalesce)
+    return {_key(strategy, axes): run_case(rank, model, params, x, y, strategy, axes, bucket_bytes=bucket_bytes, coalesce=coalesce)
             for strategy, axes in cases}
 
 
@@ -50,7 +40,7 @@ def all_strategies(rank, preset, cases, settings):
     params = params_for(model)
     x, y = batch(model.config)
     return {f"{_key(strategy, axes)}/{bucket_bytes},{coalesce}":
-            _run_case(rank, model, params, x, y, strategy, axes, bucket_bytes, coalesce)
+            run_case(rank, model, params, x, y, strategy, axes, bucket_bytes=bucket_bytes, coalesce=coalesce)
             for bucket_bytes, coalesce in settings for strategy, axes in cases}
 
 
@@ -146,19 +136,7 @@ def plan_bytes_vs_wrapper(rank, cases):
 def planted_bisect(rank, layer, tokens, targets):
     """The bisect's torch recording with one layer's forward all-reduces dropped (a planted bug)."""
     from parlay import bisection
-    from parlay.backends.torch import explicit
-    from parlay.core import AllReduce
+    from parlay.compare import drop_all_reduce
 
-    real_param, real_step, scope = explicit.ExplicitOps.param, explicit.run_step, {"name": ""}
-
-    def param(self, name, value, dims):
-        scope["name"] = name
-        return real_param(self, name, value, dims)
-
-    def run_step(step, x, *args):
-        if isinstance(step, AllReduce) and scope["name"].startswith(layer):
-            return x
-        return real_step(step, x, *args)
-
-    explicit.ExplicitOps.param, explicit.run_step = param, run_step
-    return bisection.torch_probe_worker(rank, "tiny", "dp+tp", {"dp": 2, "tp": 2}, tokens, targets, 0)
+    with drop_all_reduce(layer, "torch"):
+        return bisection.torch_probe_worker(rank, "tiny", "dp+tp", {"dp": 2, "tp": 2}, tokens, targets, 0)

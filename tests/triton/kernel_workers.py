@@ -6,10 +6,9 @@ from typing import Iterator
 
 import numpy as np
 
-from parlay import Mesh
-from parlay.backends.torch.train import ShardedModel
 from parlay.core.model import GPT, PRESETS
 from parlay.triton_kernels import _launch, use_kernels
+from sharded_case import run_case
 
 
 def gpt_inputs(preset: str, batch: int = 2, seed: int = 0):
@@ -46,12 +45,6 @@ def sharded_loss_and_grads(rank, preset, cases):
     for strategy, axes in cases:
         for kernels in ("torch", "triton"):
             with use_kernels(kernels), count_launches() as launches:
-                sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), bucket_bytes=None, coalesce=False)
-                local = sm.shard(params)
-                loss = sm.loss(local, x, y)
-                sm.backward(loss)
-            grads = sm.gather_grads(local)
-            count = lambda bwd: {(k.value, a): n for (k, a), n in sm.log.counts(backward=bwd).items()}
-            out[strategy, kernels] = (float(loss.detach()), grads if rank == 0 else None, count(False), count(True),
-                                      dict(launches))
+                result = run_case(rank, model, params, x, y, strategy, axes)
+            out[strategy, kernels] = (*result, dict(launches))
     return out
