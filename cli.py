@@ -294,7 +294,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         if newest is not None:
             raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints of a run (newest "
                              f"{newest.name}); --resume it, or give a new folder")
-    resume = None
+    resume = ckpt = None
     if args.resume:
         from .checkpoint import Checkpoint, latest
         from .training import check_resume
@@ -341,8 +341,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             else:
                 progress.console.print(f"step {t}: checkpoint saved to {loss}", soft_wrap=True)
 
-        result = run_train(spec, on_event, resume=str(resume) if resume else None,
-                           init_from=str(init.path) if init else None)
+        result = run_train(spec, on_event, resume=ckpt, init_from=init, corpus=corpus)
     final = result.evals[-1][1] if result.evals else float("nan")
     console.print(f"done in {result.seconds:.1f} s ({result.tokens_per_s(spec, seq):,.0f} tokens/s after the first step): "
                   f"train loss {result.losses[-1]:.4f}, held-out loss {final:.4f} vs unigram entropy "

@@ -259,15 +259,20 @@ def _torch_worker(rank, spec: TrainSpec, events, resume: str | None, init_from: 
 
 
 def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: None, *,
-              resume: str | None = None, init_from: str | None = None) -> TrainResult:
-    """Train (from the checkpoint folder ``resume``, if given); ``on_event(("step", t, loss))``
-    after each step, ``("eval", t, loss)`` after each evaluation, ``("checkpoint", t, path)``
-    after each save (in this process, whichever backend runs)."""
+              resume=None, init_from=None, corpus=None) -> TrainResult:
+    """Train, continuing the checkpoint ``resume`` or starting from the parameters of
+    ``init_from`` (folders or ``Checkpoint``s), on ``corpus`` (default: the spec's);
+    ``on_event(("step", t, loss))`` after each step, ``("eval", t, loss)`` after each
+    evaluation, ``("checkpoint", t, path)`` after each save (in this process, whichever backend
+    runs)."""
     from .checkpoint import Checkpoint
 
+    as_checkpoint = lambda c: c if c is None or isinstance(c, Checkpoint) else Checkpoint(c)
+    ckpt, init = as_checkpoint(resume), as_checkpoint(init_from)
     result = TrainResult()
     start = time.perf_counter()
-    ckpt = Checkpoint(resume) if resume else None
+    if init:
+        check_init(init, spec)
     if ckpt:
         check_resume(ckpt, spec)
         history = _history(ckpt)
@@ -291,9 +296,9 @@ def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: Non
         session = _JaxSession(spec)
         if ckpt:
             session.restore(ckpt)
-        elif init_from:
-            session.restore(Checkpoint(init_from), params_only=True)
-        _loop(session, spec, _corpus(spec), record, start=ckpt.step if ckpt else 0, history=_history(ckpt))
+        elif init:
+            session.restore(init, params_only=True)
+        _loop(session, spec, corpus or _corpus(spec), record, start=ckpt.step if ckpt else 0, history=_history(ckpt))
     elif spec.backend == "torch":
         import multiprocessing as mp
 
@@ -304,7 +309,8 @@ def run_train(spec: TrainSpec, on_event: Callable[[tuple], None] = lambda e: Non
 
         def launch():
             try:
-                spawn(_torch_worker, int(np.prod([n for _, n in spec.mesh])), spec, events, resume, init_from,
+                spawn(_torch_worker, int(np.prod([n for _, n in spec.mesh])), spec, events,
+                      *(None if c is None else str(c.path) for c in (ckpt, init)),
                       timeout_s=600, wall_s=None)  # a collective may take 10 minutes; the run, any time
             except BaseException as e:
                 failure.append(e)
