@@ -35,6 +35,12 @@ class Mode(enum.Enum):
     EXPLICIT = "explicit"  # shard_map + core plans executed with lax collectives
 
 
+def _box(index, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(start, stop) per dim of a shard's index (slices that may say None)."""
+    bounds = [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+    return tuple(a for a, _ in bounds), tuple(b for _, b in bounds)
+
+
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     lr = cfg.lr if cfg.constant else (lambda count: cfg.lr_at(count, jnp))  # count: updates done so far
     return optax.chain(
@@ -210,15 +216,12 @@ class TrainStep:
         for name, arr, layout in named:
             pieces: dict = {}
             for dev, index in arr.sharding.devices_indices_map(arr.shape).items():
-                start = tuple(sl.indices(n)[0] for sl, n in zip(index, arr.shape))
-                stop = tuple(sl.indices(n)[1] for sl, n in zip(index, arr.shape))
-                if (start, stop) not in pieces:
-                    pieces[(start, stop)] = Piece(f"rank-{rank_of[dev.id]:05d}.safetensors",
-                                                  f"{name}@{','.join(map(str, start))}", start, stop)
+                start, stop = box = _box(index, arr.shape)
+                if box not in pieces:
+                    pieces[box] = Piece(f"rank-{rank_of[dev.id]:05d}.safetensors",
+                                        f"{name}@{','.join(map(str, start))}", start, stop)
             for shard in arr.addressable_shards:
-                start = tuple(sl.indices(n)[0] for sl, n in zip(shard.index, arr.shape))
-                stop = tuple(sl.indices(n)[1] for sl, n in zip(shard.index, arr.shape))
-                piece = pieces[(start, stop)]
+                piece = pieces[_box(shard.index, arr.shape)]
                 if piece.file == f"rank-{rank_of[shard.device.id]:05d}.safetensors":
                     blocks.setdefault(piece.file, {})[piece.key] = np.asarray(shard.data)
             tensors.append((name, tuple(arr.shape), str(layout), list(pieces.values())))
@@ -231,7 +234,7 @@ class TrainStep:
 
         def load(name, shape, sharding):
             return jax.make_array_from_callback(tuple(shape), sharding, lambda index: ckpt.read(
-                name, tuple(slice(*sl.indices(n)[:2]) for sl, n in zip(index, shape)), shape=shape))
+                name, tuple(map(slice, *_box(index, shape))), shape=shape))
 
         if self.mode is Mode.SINGLE:
             raise ValueError("restore into a sharded run (mode explicit or gspmd).")
