@@ -118,15 +118,20 @@ class TrainingDiverged(RuntimeError):
     """The loss stopped being a finite number."""
 
 
+def _differences(saved: dict, want: dict) -> str:
+    """"key saved vs wanted" for each key whose values differ."""
+    return ", ".join(f"{k} {saved.get(k)!r} vs {want.get(k)!r}" for k in sorted(set(saved) | set(want))
+                     if saved.get(k) != want.get(k))
+
+
 def _check_model(ckpt, spec: TrainSpec) -> None:
     from .checkpoint import CheckpointError
     from .core.model import PRESETS
 
     saved, want = ckpt.meta("model"), config_json(PRESETS[spec.preset])
     if saved != want:
-        diff = ", ".join(f"{k} {saved.get(k)!r} vs {want.get(k)!r}" for k in sorted(set(saved) | set(want))
-                         if saved.get(k) != want.get(k))
-        raise CheckpointError(f"{ckpt.path}/manifest.json: field 'model' differs from --model {spec.preset}: {diff}")
+        raise CheckpointError(f"{ckpt.path}/manifest.json: field 'model' differs from --model {spec.preset}: "
+                              f"{_differences(saved, want)}")
 
 
 def check_init(ckpt, spec: TrainSpec) -> None:
@@ -148,8 +153,7 @@ def check_resume(ckpt, spec: TrainSpec) -> None:
                               f"--seed, --batch and --data)")
     saved, want = ckpt.meta("optimizer"), asdict(spec.optimizer)
     if saved != want:
-        diff = ", ".join(f"{k} {saved.get(k)!r} vs {want.get(k)!r}" for k in sorted(set(saved) | set(want))
-                         if saved.get(k) != want.get(k))
+        diff = _differences(saved, want)
         hint = (" (the cosine schedule ends at the run's --steps: resume with the same --steps; a run trained with "
                 "--no-cosine can be extended)") if saved.get("decay_steps") != want.get("decay_steps") else ""
         raise CheckpointError(f"{where}: field 'optimizer' differs from this run's: {diff}{hint}")
