@@ -30,10 +30,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .core import Layout
+from .core.pieces import Piece, owned_blocks, pieces_of
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "Piece", "Checkpoint", "pieces_of", "owned_blocks",
-           "write_file", "begin_save", "manifest_tensors", "save", "commit_save", "latest", "committed"]
+           "write_file", "begin_save", "manifest_tensors", "save", "commit_save", "latest", "committed", "step_dir"]
 
 FORMAT = "parlay-checkpoint"
 VERSION = 1
@@ -44,38 +44,6 @@ _FILE = re.compile(r"^rank-\d{5}\.safetensors$")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: names the file and the field."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    file: str
-    key: str
-    start: tuple[int, ...]
-    stop: tuple[int, ...]
-
-    def to_json(self) -> dict:
-        return {"file": self.file, "key": self.key, "start": list(self.start), "stop": list(self.stop)}
-
-
-def _owners(layout: Layout, shape: Sequence[int]) -> dict[tuple, int]:
-    """Each distinct block (as (start, stop) per dim) -> the first rank that holds it."""
-    out: dict = {}
-    for r, sl in enumerate(layout.shard_slices(tuple(shape))):
-        out.setdefault(tuple((s.start, s.stop) for s in sl), r)
-    return out
-
-
-def pieces_of(name: str, layout: Layout, shape: Sequence[int]) -> list[Piece]:
-    if layout.partial:
-        raise ValueError(f"checkpoint: {name} is in {layout}, a pending sum; store completed values.")
-    return [Piece(f"rank-{r:05d}.safetensors", f"{name}@{','.join(str(a) for a, _ in block)}",
-                  tuple(a for a, _ in block), tuple(b for _, b in block))
-            for block, r in _owners(layout, shape).items()]
-
-
-def owned_blocks(name: str, layout: Layout, shape: Sequence[int], rank: int) -> list[Piece]:
-    """The pieces rank ``rank`` writes (its block, if it is the first holder)."""
-    return [p for p in pieces_of(name, layout, shape) if p.file == f"rank-{rank:05d}.safetensors"]
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -349,6 +317,13 @@ class Checkpoint:
 
     def meta(self, key: str) -> Any:
         return self.manifest[key]
+
+    def count(self) -> int:
+        """The number of optimizer updates the checkpoint's state has taken."""
+        count = self.manifest.get("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise CheckpointError(f"{self._where}: field 'count' must be a non-negative int, not {count!r}")
+        return count
 
 
 _ST_DTYPES = {"float32": "F32", "int32": "I32", "int64": "I64"}

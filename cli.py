@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -15,7 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .core import Layout, Mesh, P, Plan, plan_redistribute
-from .core.model import PRESETS
+from .core.models.gpt import PRESETS
+from .core.rules import RuleError
 
 __all__ = ["main"]
 
@@ -134,15 +134,54 @@ def _cmd_redistribute(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _backend_name(args) -> str:
+    """torch, numpy, or jax in --mode explicit (default) or gspmd: a registry name."""
+    if args.backend != "jax":
+        if args.mode is not None:
+            raise UsageError(f"--mode {args.mode} chooses JAX's execution mode; it does nothing with --backend "
+                             f"{args.backend}")
+        return args.backend
+    return "jax-gspmd" if args.mode == "gspmd" else "jax"
+
+
+def _check_counts(args) -> None:
+    for flag in ("steps", "batch"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(args, flag)} must be positive")
+
+
+def _program(args, mesh: Mesh, backends: list[str], **extra):
+    """The flags every command that runs the model shares, checked by building its Program:
+    model and strategy (presets, built-ins or FILE.py:NAME / module:NAME), sizes, machine limits."""
+    from .core.loading import load_model, load_strategy
+    from .core.optim import OptimizerConfig
+    from .core.program import make_program
+    from .core.session import get_backend
+
+    _check_counts(args)
+    for name in backends:
+        get_backend(name).prepare(mesh)
+    model, ref = load_model(args.model)
+    strategy = load_strategy(args.strategy)
+    return make_program(model, strategy, mesh, batch=args.batch, model_ref=ref or args.model,
+                        optimizer=extra.get("optimizer", OptimizerConfig()))
+
+
 def _cmd_step(args: argparse.Namespace, console: Console) -> int:
-    from .steps_cli import run_steps
+    from .stepping import run_steps
 
     mesh = parse_mesh(args.mesh)
-    _check_run(args, mesh, backend=args.backend)
-    rows = run_steps(args.backend, args.model, args.strategy, mesh, batch=args.batch, steps=args.steps,
-                     seed=args.seed, ranks=args.ranks, mode=args.mode)
-    what = f"{args.backend}" + (f" ({args.mode})" if args.backend == "jax" else f" ({mesh.size} gloo ranks)")
-    table = Table(title=f"{args.model}, {args.strategy} on {mesh}, {what}, batch {args.batch}", title_justify="left")
+    backend = _backend_name(args)
+    if args.ranks is not None and backend != "torch":
+        raise UsageError(f"--ranks is the number of torch processes; {backend} runs in this process")
+    if args.ranks is not None and args.ranks != mesh.size:
+        raise UsageError(f"--ranks {args.ranks}: {mesh} has {mesh.size} ranks; the torch backend starts one process "
+                         f"per rank (leave --ranks out)")
+    program = _program(args, mesh, [backend])
+    rows = run_steps(backend, program, steps=args.steps, seed=args.seed)
+    what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
+    table = Table(title=f"{args.model}, {program.strategy.name} on {mesh}, {what}, batch {args.batch}, random inputs",
+                  title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("loss", justify="right")
     table.add_column("ms", justify="right")
@@ -155,7 +194,7 @@ def _cmd_step(args: argparse.Namespace, console: Console) -> int:
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import json
 
-    from .compare import BACKENDS, Tolerance, plot_compare, run_compare
+    from .compare import BACKENDS, Tolerance, drop_all_reduce, plot_compare, run_compare
 
     mesh = parse_mesh(args.mesh)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -163,52 +202,50 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     if len(set(backends)) < len(backends):
         raise UsageError(f"--backends {args.backends!r} names a backend twice")
     if bad or not backends:
-        raise UsageError(f"--backends {args.backends!r}: {bad[0] if bad else 'none given'} is not a backend; choose from {','.join(BACKENDS)}")
+        raise UsageError(f"--backends {args.backends!r}: {bad[0] if bad else 'none given'} is not a backend; choose from "
+                         f"{','.join(BACKENDS)}")
     if mesh.size > 8:
-        raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; compare runs every backend on this machine, at most 8")
-    _check_run(args, mesh, backend="torch")
+        raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; compare runs every backend on this machine, at "
+                         f"most 8")
+    program = _program(args, mesh, backends)
     tol = Tolerance()
-    fault = contextlib.nullcontext()
     if args.drop_all_reduce:
-        from .compare import drop_all_reduce
-        from .core.model import GPT
-
-        layers = sorted({n.rsplit(".", 1)[0] for n in GPT(PRESETS[args.model]).param_shapes()})
+        layers = sorted({n.rsplit(".", 1)[0] for n in program.shapes})
         if args.drop_all_reduce not in layers:
             raise UsageError(f"--drop-all-reduce {args.drop_all_reduce!r} is not a layer of {args.model}; layers are "
                              f"{', '.join(layers)}")
-        if backends != ["jax"]:
-            raise UsageError("--drop-all-reduce plants its fault in JAX explicit mode only; add --backends jax")
-        fault = drop_all_reduce(args.drop_all_reduce)
-    with fault as dropped:
-        ref, runs = run_compare(args.model, args.strategy, mesh, steps=args.steps, batch=args.batch,
-                                backends=backends, seed=args.seed, tol=tol)
-    if args.drop_all_reduce and not dropped["count"]:
+        if backends == ["jax-gspmd"]:
+            raise UsageError("--drop-all-reduce plants its fault in the sharded executor (torch, jax, numpy); GSPMD's "
+                             "collectives are XLA's")
+        program = program.replace(fault=drop_all_reduce(args.drop_all_reduce))
+    ref, runs = run_compare(program, steps=args.steps, backends=backends, seed=args.seed, tol=tol)
+    if args.drop_all_reduce and all(r.agree for r in runs if r.name != "jax-gspmd"):
         raise UsageError(f"--drop-all-reduce {args.drop_all_reduce}: no forward all-reduce ran in that layer under "
-                         f"{args.strategy} on {mesh}, so no fault was planted; pick a layer whose output is a pending "
-                         f"sum (e.g. an MLP or attention output under tp)")
-    table = Table(title=f"{args.model}, {args.strategy} on {mesh}, batch {args.batch}, stdlib bytes; "
-                        f"loss per step", title_justify="left")
+                         f"{program.strategy.name} on {mesh}, so no fault was planted; pick a layer whose output is a "
+                         f"pending sum (e.g. an MLP or attention output under tp)")
+    data = getattr(program.model, "dataset", None)
+    source = "stdlib bytes" if args.model in PRESETS else ("its dataset" if callable(data) else "random inputs")
+    table = Table(title=f"{args.model}, {program.strategy.name} on {mesh}, batch {args.batch}, {source}; loss per step",
+                  title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("reference (1 device)", justify="right")
     for r in runs:
         table.add_column(r.name, justify="right")
     for i, l0 in enumerate(ref.losses):
         table.add_row(str(i + 1), f"{l0:.6f}", *(f"{r.losses[i]:.6f}" for r in runs))
-    agree = {r.name: r.agree for r in runs}
     table.add_section()
     table.add_row("", "max rel loss diff", *(f"{r.loss_diff:.1e}" for r in runs))
     table.add_row("", "step-1 gradients", *(f"{r.grad_diff:.1e}" for r in runs))
     table.add_row("", f"params after {args.steps}", *(f"{r.param_diff:.1e}" for r in runs))
-    table.add_row("", "agree", *("yes" if agree[r.name] else "NO" for r in runs))
+    table.add_row("", "agree", *("yes" if r.agree else "NO" for r in runs))
     console.print(table)
     console.print(f"tolerance: loss {tol.loss:g} relative, gradients {tol.grad:g} and parameters {tol.param:g} "
                   f"(per tensor, L2 of the difference over L2 of the reference's gradient / update)")
     if args.plot:
-        plot_compare(ref, runs, args.plot, title=f"{args.model}, {args.strategy} on {mesh}", tol=tol)
+        plot_compare(ref, runs, args.plot, title=f"{args.model}, {program.strategy.name} on {mesh}", tol=tol)
         console.print(f"plot written to {args.plot}", soft_wrap=True)
     for r in runs:
-        if not agree[r.name]:
+        if not r.agree:
             console.print(f"{r.name} disagrees: worst gradient {r.worst_grad} ({r.grad_diff:.2e}), worst parameter "
                           f"{r.worst_param} ({r.param_diff:.2e})", style="bold red")
             if r.bisect is not None:
@@ -216,62 +253,38 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
                     console.print(line, soft_wrap=True)
     if args.json:
         report = {
-            "model": args.model, "strategy": args.strategy, "mesh": dict(mesh.axes), "steps": args.steps,
-            "batch": args.batch, "seed": args.seed,
+            "model": args.model, "strategy": program.strategy.name, "mesh": dict(mesh.axes), "steps": args.steps,
+            "batch": args.batch, "seed": args.seed, "reference_backend": ref.name,
             "tolerance": {"loss": tol.loss, "grad": tol.grad, "param": tol.param},
             "reference": {"losses": ref.losses},
             "backends": {r.name: {"losses": r.losses, "max_rel_loss_diff": r.loss_diff,
                                   "grad_rel_diff": r.grad_diff, "param_rel_diff": r.param_diff,
-                                  "agree": agree[r.name],
+                                  "agree": r.agree,
                                   "bisect": r.bisect.to_json() if r.bisect is not None else None} for r in runs},
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         console.print(f"report written to {args.json}", soft_wrap=True)
-    return 0 if all(agree.values()) else 1
+    return 0 if all(r.agree for r in runs) else 1
 
 
-def _check_run(args, mesh: Mesh, *, backend: str) -> None:
-    """The flags every command that runs the model shares: model, strategy on mesh, sizes,
-    machine limits."""
-    from .core.strategies import get_strategy
-
-    if args.model not in PRESETS:
-        raise UsageError(f"--model {args.model!r} is unknown; presets are {', '.join(PRESETS)}")
-    for flag in ("steps", "batch"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag} {getattr(args, flag)} must be positive")
-    limit = (os.cpu_count() or 1) * 16 if backend == "torch" else 64
-    if mesh.size > limit:
-        raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; this machine can simulate at most {limit} "
-                         f"({'16 gloo processes per core' if backend == 'torch' else 'JAX host devices'})")
-    get_strategy(args.strategy).check(mesh, PRESETS[args.model], batch=args.batch)
-
-
-def _cmd_train(args: argparse.Namespace, console: Console) -> int:
-    import json
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
+def _train_spec(args, mesh: Mesh, backend: str):
+    """``parlay train``'s flags as a TrainSpec, each checked (one error for the first bad one)."""
     from .core.optim import OptimizerConfig
-    from .data import load_corpus
-    from .training import TrainSpec, run_train, spec_json
+    from .training import TrainSpec
 
-    mesh = parse_mesh(args.mesh)
-    _check_run(args, mesh, backend=args.backend)
+    _check_counts(args)
     if args.eval_every < 1:
         raise UsageError(f"--eval-every {args.eval_every} must be positive")
     if args.eval_batches < 0:
         raise UsageError(f"--eval-batches {args.eval_batches} must be >= 0")
-    if args.mode is not None and args.backend != "jax":
-        raise UsageError(f"--mode {args.mode} chooses JAX's execution mode; it does nothing with --backend {args.backend}")
     if args.warmup and args.warmup >= args.steps:
         raise UsageError(f"--warmup {args.warmup} is not shorter than --steps {args.steps}: the rate would never "
                          f"reach its peak and decay; lower --warmup (0: none)")
     for f in args.data or ():
         if not os.path.isfile(f):
-            raise UsageError(f"--data {f!r} does not exist or is not a file; name readable text files "
-                             f"(or leave --data out to train on the Python standard library)")
+            raise UsageError(f"--data {f!r} does not exist or is not a file; name readable files (or leave --data "
+                             f"out for the model's default dataset)")
     if args.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every {args.checkpoint_every} must be >= 0 (0: never)")
     if args.keep_last < 1:
@@ -282,75 +295,90 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every and --resume need --checkpoint-dir DIR")
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
-    spec = TrainSpec(backend=args.backend, strategy=args.strategy, mesh=tuple(mesh.axes), preset=args.model,
-                     mode=args.mode or "explicit", steps=args.steps, batch=args.batch, seed=args.seed, optimizer=optimizer,
+    return TrainSpec(backend=backend, strategy=args.strategy, mesh=tuple(mesh.axes), model=args.model,
+                     steps=args.steps, batch=args.batch, seed=args.seed, optimizer=optimizer,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                      keep_last=args.keep_last)
-    if args.checkpoint_dir and not args.resume:
-        from .checkpoint import latest
 
+
+def _train_checkpoints(args, spec, program, console: Console):
+    """(resume checkpoint, init checkpoint), checked before any process starts."""
+    from .checkpoint import Checkpoint, latest
+    from .training import check_init, check_resume
+
+    if args.checkpoint_dir and not args.resume:
         newest = latest(args.checkpoint_dir)
         if newest is not None:
             raise UsageError(f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints of a run (newest "
                              f"{newest.name}); --resume it, or give a new folder")
-    resume = ckpt = None
+    ckpt = init = None
     if args.resume:
-        from .checkpoint import Checkpoint, latest
-        from .training import check_resume
-
         resume = latest(args.checkpoint_dir)
         if resume is None:
             raise UsageError(f"--resume: {args.checkpoint_dir!r} holds no committed checkpoint (step-NNNNNNNN folders "
                              f"with a manifest.json)")
         ckpt = Checkpoint(resume)
-        check_resume(ckpt, spec)
+        check_resume(ckpt, spec, program)
         console.print(f"resuming from {resume} (steps {ckpt.step + 1}..{args.steps}; steps 1..{ckpt.step} ran on "
                       f"{ckpt.meta('backend')}, {ckpt.meta('strategy')} on {ckpt.meta('mesh')})", soft_wrap=True)
-    init = None
     if args.init_from:
-        from .checkpoint import Checkpoint
-        from .training import check_init
-
         init = Checkpoint(args.init_from)
-        check_init(init, spec)
+        check_init(init, program)
         console.print(f"starting from the parameters of {init.path} (fresh AdamW state, step 1)", soft_wrap=True)
-    corpus = load_corpus(list(spec.data) or None, max_bytes=spec.max_bytes)  # bad text fails here, before any rank
-    seq = PRESETS[args.model].seq
-    what = f"{args.backend} ({args.mode})" if args.backend == "jax" else f"torch ({mesh.size} gloo ranks)"
-    console.print(f"{args.model}, {args.strategy} on {mesh}, {what}: {args.steps} steps of {args.batch} x {seq} bytes "
-                  f"of {corpus.source} ({len(corpus.train):,} train / {len(corpus.held_out):,} held-out bytes; "
-                  f"unigram entropy {corpus.unigram_entropy():.3f} nats/byte)", soft_wrap=True)
+    return ckpt, init
+
+
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .training import CheckpointEvent, EvalEvent, StepEvent, dataset_of, run_train, spec_json
+
+    mesh = parse_mesh(args.mesh)
+    backend = _backend_name(args)
+    spec = _train_spec(args, mesh, backend)
+    program = _program(args, mesh, [backend], optimizer=spec.optimizer)
+    data = dataset_of(program.model, spec.data)  # bad data fails here, before any rank starts
+    describe = getattr(data, "describe", None)
+    baseline = getattr(data, "baseline", None)
+    baseline = baseline() if callable(baseline) else None
+    ckpt, init = _train_checkpoints(args, spec, program, console)
+    what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
+    console.print(f"{args.model}, {program.strategy.name} on {mesh}, {what}: {args.steps} steps of {args.batch} examples "
+                  f"of {describe() if callable(describe) else data.source}"
+                  + (f"; {baseline[0]} {baseline[1]:.3f}" if baseline else ""), soft_wrap=True)
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-               TextColumn("{task.fields[tps]} tok/s"), TextColumn("eta"), TimeRemainingColumn())
+               TextColumn("{task.fields[eps]} examples/s"), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=args.steps, loss="-", tps="-")
+        task = progress.add_task("train", total=args.steps, loss="-", eps="-")
         clock = {"t0": None}
 
         def on_event(event):
-            kind, t, loss = event
-            if kind == "step":
+            if isinstance(event, StepEvent):
                 now = time.perf_counter()
                 if clock["t0"] is None:
-                    clock["t0"], clock["first"] = now, t
-                done = t - clock["first"]
-                tps = f"{done * args.batch * seq / (now - clock['t0']):,.0f}" if done else "-"
-                progress.update(task, completed=t, loss=f"{loss:.4f}", tps=tps)
-            elif kind == "eval":
-                progress.console.print(f"step {t}: held-out loss {loss:.4f}")
-            else:
-                progress.console.print(f"step {t}: checkpoint saved to {loss}", soft_wrap=True)
+                    clock["t0"], clock["first"] = now, event.step
+                done = event.step - clock["first"]
+                eps = f"{done * args.batch / (now - clock['t0']):,.0f}" if done else "-"
+                progress.update(task, completed=event.step, loss=f"{event.loss:.4f}", eps=eps)
+            elif isinstance(event, EvalEvent):
+                progress.console.print(f"step {event.step}: held-out loss {event.loss:.4f}")
+            elif isinstance(event, CheckpointEvent):
+                progress.console.print(f"step {event.step}: checkpoint saved to {event.path}", soft_wrap=True)
 
-        result = run_train(spec, on_event, resume=ckpt, init_from=init, corpus=corpus)
+        result = run_train(spec, on_event, resume=ckpt, init_from=init, program=program)
     final = result.evals[-1][1] if result.evals else float("nan")
-    console.print(f"done in {result.seconds:.1f} s ({result.tokens_per_s(spec, seq):,.0f} tokens/s after the first step): "
-                  f"train loss {result.losses[-1]:.4f}, held-out loss {final:.4f} vs unigram entropy "
-                  f"{corpus.unigram_entropy():.4f}", soft_wrap=True)
+    console.print(f"done in {result.seconds:.1f} s ({result.examples_per_s(spec):,.0f} examples/s after the first "
+                  f"step): train loss {result.losses[-1]:.4f}, held-out loss {final:.4f}"
+                  + (f" vs {baseline[0]} {baseline[1]:.4f}" if baseline else ""), soft_wrap=True)
     if args.json:
-        report = {**spec_json(spec), "resumed_from": str(resume) if resume else None,
-                  "init_from": str(init.path) if init else None, "source": corpus.source, "unigram_entropy": corpus.unigram_entropy(),
+        report = {**spec_json(spec), "resumed_from": str(ckpt.path) if ckpt else None,
+                  "init_from": str(init.path) if init else None, "source": data.source,
+                  "baseline": {"name": baseline[0], "value": baseline[1]} if baseline else None,
                   "losses": result.losses, "eval": [{"step": t, "loss": l} for t, l in result.evals],
-                  "seconds": result.seconds, "tokens_per_s": result.tokens_per_s(spec, seq)}
+                  "seconds": result.seconds, "examples_per_s": result.examples_per_s(spec)}
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -374,16 +402,29 @@ def _cmd_import_hf(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+_MODEL_HELP = ("a preset (" + ", ".join(PRESETS) + ") or your own: FILE.py:NAME or package.module:NAME, NAME a model "
+               "object or a function of no arguments returning one (see parlay.core.model)")
+_STRATEGY_HELP = ("built-in strategies joined by '+' (dp, zero1, zero2, fsdp, tp, tp_sp, ulysses, tp2d; e.g. fsdp+tp) "
+                  "or your own Strategy: FILE.py:NAME or package.module:NAME")
+
+
 def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: str | None = None,
                    strategy: str | None = None) -> None:
-    """The flags of every command that runs the model (checked by ``_check_run``); a ``None``
+    """The flags of every command that runs the model (checked by ``_program``); a ``None``
     default makes the flag required."""
-    p.add_argument("--model", default="tiny", help="a preset: " + ", ".join(PRESETS))
+    p.add_argument("--model", default="tiny", help=_MODEL_HELP)
     p.add_argument("--mesh", default=mesh, required=mesh is None, help="mesh axes and sizes, e.g. dp=2,tp=4")
-    p.add_argument("--strategy", default=strategy, required=strategy is None, help="e.g. tp, fsdp+tp, dp+tp_sp")
+    p.add_argument("--strategy", default=strategy, required=strategy is None, help=_STRATEGY_HELP)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_backend_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("torch", "jax", "numpy"), default="torch",
+                   help="torch: one gloo process per rank; jax: this process's host devices; numpy: the simulator")
+    p.add_argument("--mode", choices=("explicit", "gspmd"), default=None,
+                   help="jax: shard_map on parlay's plans (explicit, the default) or jit with shardings (gspmd)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -404,40 +445,41 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default="float32", help="element type, for the byte counts (default float32)")
     r.set_defaults(run=_cmd_redistribute)
     t = sub.add_parser(
-        "step",
-        help="a few training steps of a preset model with a strategy, on random tokens",
-        description="Training steps of a preset GPT on random tokens: a smoke test of a strategy on a mesh. "
-                    "On the torch backend parlay starts one gloo process per rank itself.",
+        "step", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="a few training steps of a model with a strategy, on random inputs",
+        description="Training steps of a model on random inputs: a smoke test of a strategy on a mesh. On the "
+                    "torch backend parlay starts one gloo process per rank itself.",
     )
-    t.add_argument("--backend", choices=("torch", "jax"), default="torch")
+    _add_backend_flags(t)
     _add_run_flags(t, steps=5, batch=8)
-    t.add_argument("--ranks", type=int, default=None, help="torch: processes to spawn (default: the mesh size)")
-    t.add_argument("--mode", choices=("explicit", "gspmd"), default="explicit", help="jax: execution mode")
+    t.add_argument("--ranks", type=int, default=None, help="torch: processes to spawn (must be the mesh size)")
     t.set_defaults(run=_cmd_step)
     c = sub.add_parser(
         "compare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="the same model, weights and batches on every backend against one device",
-        description="Run the single-device reference, torch (spawned gloo ranks), JAX explicit and JAX GSPMD "
-                    "for N AdamW steps on the Python standard library's bytes; print the losses and the largest "
-                    "relative differences; exit 1 if a backend disagrees beyond the tolerance.",
+        description="Run the single-device reference (JAX) and each backend (torch on spawned gloo ranks, JAX "
+                    "explicit, JAX GSPMD, the numpy simulator) for N AdamW steps on the model's dataset (the "
+                    "GPT: the Python standard library's bytes; a model without one: random inputs); print the "
+                    "losses and the largest relative differences; exit 1 if a backend disagrees beyond the "
+                    "tolerance, and name where it parts.",
     )
     _add_run_flags(c, steps=5, batch=8, mesh="dp=2,tp=2", strategy="dp+tp")
-    c.add_argument("--backends", default="torch,jax,jax-gspmd", help="which to run against the reference")
+    c.add_argument("--backends", default="torch,jax,jax-gspmd,numpy", help="which to run against the reference")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
     c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
     c.add_argument("--drop-all-reduce", default=None, metavar="LAYER",
-                   help="fault injection (with --backends jax): drop the forward all-reduces of one layer, e.g. "
-                        "blocks.1.mlp, and watch the bisect name it")
+                   help="fault injection: the sharded executor (torch, jax, numpy) drops the forward all-reduces "
+                        "of one layer, e.g. blocks.1.mlp; watch the bisect name it")
     c.set_defaults(run=_cmd_compare)
     tr = sub.add_parser(
         "train", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="train the GPT on text (the standard library's source by default) on either backend",
-        description="Train a preset GPT byte-level on the Python standard library's source files (on every "
-                    "machine) or on --data files, with a held-out tail for evaluation: a progress bar with the "
-                    "loss, tokens/s and ETA, the held-out loss every --eval-every steps.",
+        help="train a model on its dataset (the GPT: the standard library's source) on any backend",
+        description="Train a model on its dataset, with a held-out part for evaluation: a preset GPT byte-level "
+                    "on the Python standard library's source files (on every machine) or on --data files, or "
+                    "your own model (FILE.py:NAME) on its dataset(). A progress bar with the loss, examples/s and "
+                    "ETA; the held-out loss every --eval-every steps.",
     )
-    tr.add_argument("--backend", choices=("torch", "jax"), default="torch")
-    tr.add_argument("--mode", choices=("explicit", "gspmd"), default=None, help="jax: execution mode (default explicit)")
+    _add_backend_flags(tr)
     _add_run_flags(tr, steps=300, batch=16, mesh="dp=2,tp=2", strategy="dp+tp")
     tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     tr.add_argument("--warmup", type=int, default=20, help="linear warmup steps")
@@ -445,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the rate after warmup (default: cosine decay to 10%% at the last step)")
     tr.add_argument("--eval-every", type=int, default=50, help="held-out loss every K steps (and at the end)")
     tr.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
-    tr.add_argument("--data", nargs="+", default=None, metavar="FILE", help="train on these text files")
+    tr.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                    help="files for the model's dataset (the GPT: text files to train on)")
     tr.add_argument("--json", default=None, help="write every step's loss and the evaluations here")
     tr.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="where checkpoints are saved and resumed from")
     tr.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps and after the last")
@@ -480,14 +523,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(str(e) if str(e).startswith("parlay") else f"parlay: {e}", file=sys.stderr)
         return 2
+    except RuleError as e:  # every bullet: each is a separate problem to fix
+        print(f"parlay: {e}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError) as e:
         print(f"parlay: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a rank that failed, a run that diverged: the run itself went wrong
-        from .backends.torch.launch import RankFailure
+        from .core.session import RunFailure
         from .training import TrainingDiverged
 
-        if not isinstance(e, (RankFailure, TrainingDiverged)):
+        if not isinstance(e, (RunFailure, TrainingDiverged)):
             raise
         print(f"parlay: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -1,32 +1,33 @@
 """``parlay compare``: one model, one strategy, one mesh, the same weights and batches, on every
 backend, against the single-device reference.
 
-Runs the reference (JAX, one device), torch (spawned gloo ranks), JAX explicit (shard_map) and
-JAX GSPMD for N AdamW steps; reports each backend's loss per step, the largest relative
-difference of its step-1 gradients, and of its parameters after the last step (per tensor, the
-L2 norm of the difference over the L2 norm of the distance the reference moved them).
+Runs the reference (JAX on one device, by default) and each backend (torch on spawned gloo ranks,
+JAX explicit, JAX GSPMD, the numpy simulator) for N AdamW steps through the same ``Session``
+contract; reports each backend's loss per step, the largest relative difference of its step-1
+gradients, and of its parameters after the last step (per tensor, the L2 norm of the difference
+over the L2 norm of the distance the reference moved them). A backend that disagrees is bisected.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .xla_env import use_host_devices
+from .core.executor import Fault
+from .core.model import RandomData
+from .core.program import Program
+from .core.session import BACKENDS, get_backend
 
-__all__ = ["BACKENDS", "Tolerance", "BackendRun", "run_compare", "plot_compare", "drop_all_reduce"]
-
-BACKENDS = ("torch", "jax", "jax-gspmd")
+__all__ = ["BACKENDS", "Tolerance", "BackendRun", "run_compare", "plot_compare", "compare_batches"]
 
 
 @dataclass(frozen=True)
 class Tolerance:
     """fp32 sums in another order: losses and gradients agree to ~1e-6 (measured); after AdamW
     steps single elements near Adam's eps can diverge, hence parameters per tensor (see
-    tests/jax/test_train.py, where 2.2e-4 was measured)."""
+    tests/jax/test_sessions.py, where 2.2e-4 was measured)."""
 
     loss: float = 1e-5
     grad: float = 1e-4
@@ -53,125 +54,61 @@ def _rel(a: dict, b: dict, scale: dict) -> tuple[float, str]:
     for k in b:
         denom = np.linalg.norm(scale[k])
         r = float(np.linalg.norm(a[k] - b[k]) / denom) if denom > 0 else float(np.abs(a[k] - b[k]).max())
-        if r > worst:
+        if not r <= worst:  # NaN is the worst
             worst, name = r, k
     return worst, name
 
 
-def _torch_worker(rank, preset, strategy, axes, batches, seed):
-    from .backends.torch.train import ShardedModel, ShardedTrainer
-    from .core import Mesh
-    from .core.model import GPT, PRESETS
-
-    model = GPT(PRESETS[preset])
-    params = model.init(seed)
-    sm = ShardedModel(model, strategy, Mesh(axes), batch=len(batches[0][0]))
-    trainer = ShardedTrainer(sm, params)
-    x, y = batches[0]
-    loss = sm.loss(trainer.local, x, y)
-    sm.backward(loss)
-    grads = sm.gather_grads(trainer.local)
-    for p in trainer.local.values():
-        p.grad = None
-    losses = [trainer.step(x, y) for x, y in batches]
-    final = trainer.gather_params()
-    return (losses, grads, final) if rank == 0 else None
+def run_steps(session, batches):
+    """In every process of a run: step-1 gradients, then one AdamW step per batch; the final
+    parameters."""
+    _, grads = session.loss_and_grads(batches[0])
+    losses = [session.step(b) for b in batches]
+    return losses, grads, session.params()
 
 
-def _jax_run(model, params, batches, mode, strategy=None, mesh=None):
-    from .backends.jax.train import TrainStep
-
-    step = TrainStep(model, strategy=strategy, mesh=mesh, mode=mode, batch=len(batches[0][0]))
-    state = step.init(params)
-    _, grads = step.loss_and_grads(state, *batches[0])
-    losses = []
-    for x, y in batches:
-        state, loss = step(state, x, y)
-        losses.append(float(loss))
-    return losses, grads, step.params(state)
+def compare_batches(program: Program, steps: int, seed: int, data=None) -> list[dict]:
+    """``steps`` batches of the model's dataset (or random inputs if it has none)."""
+    if data is None:
+        make = getattr(program.model, "dataset", None)
+        data = make() if callable(make) else RandomData(program.model)
+    return [data.batch_at(t, program.batch, seed=seed) for t in range(steps)]
 
 
-@contextlib.contextmanager
-def drop_all_reduce(layer: str, backend: str = "jax"):
-    """Fault injection, to watch the bisect work: in the explicit executor of ``backend`` ("jax":
-    shard_map, "torch": this process's ranks), every forward all-reduce run while ``layer`` (a
-    parameter-name prefix, e.g. ``blocks.1.mlp``) is the latest layer asked for its parameters
-    returns its input unchanged. Yields ``{"count": n}``, the all-reduces dropped so far."""
-    from .core import AllReduce
-
-    if backend == "jax":
-        from .backends.jax import collectives as steps
-        from .backends.jax.explicit import ExplicitOps
-    elif backend == "torch":
-        from .backends.torch import explicit as steps
-        from .backends.torch.explicit import ExplicitOps
-    else:
-        raise ValueError(f"drop_all_reduce: backend {backend!r} is not jax or torch.")
-    real_param, real_step, scope = ExplicitOps.param, steps.run_step, {"name": ""}
-    dropped = {"count": 0}
-
-    def param(self, name, value, dims):
-        scope["name"] = name
-        return real_param(self, name, value, dims)
-
-    def run_step(step, x, *args):
-        if isinstance(step, AllReduce) and scope["name"].startswith(layer + "."):
-            dropped["count"] += 1
-            return x
-        return real_step(step, x, *args)
-
-    ExplicitOps.param, steps.run_step = param, run_step
-    try:
-        yield dropped
-    finally:
-        ExplicitOps.param, steps.run_step = real_param, real_step
-
-
-def run_compare(preset: str, strategy: str, mesh, *, steps: int, batch: int, backends=BACKENDS, seed: int = 0,
-                corpus=None, tol: Tolerance = Tolerance(), bisect: bool = True) -> tuple[BackendRun, list[BackendRun]]:
-    """(reference, [one run per backend]) on batches drawn from ``corpus`` (default: the stdlib).
-    A backend that disagrees beyond ``tol`` is bisected on the first batch (``run.bisect``)."""
-    from .core.model import GPT, PRESETS
-    from .core.strategies import get_strategy
-    from .data import load_corpus
-
-    model = GPT(PRESETS[preset])
-    get_strategy(strategy).check(mesh, model.config, batch=batch)
-    use_host_devices(mesh.size)
-    corpus = corpus or load_corpus(max_bytes=2 * 2**20)
-    if model.config.vocab < 256:
-        raise ValueError(f"model {preset!r} has vocab {model.config.vocab}; byte-level text needs 256.")
-    stream = corpus.batches(batch, model.config.seq, seed=seed)
-    batches = [next(stream) for _ in range(steps)]
-    params = model.init(seed)
-
-    ref_losses, ref_grads, ref_params = _jax_run(model, params, batches, "single")
-    reference = BackendRun("reference", ref_losses, grads=ref_grads, params=ref_params)
-    moved = {k: ref_params[k] - params[k] for k in params}
+def run_compare(program: Program, *, steps: int, backends=BACKENDS, seed: int = 0, data=None,
+                tol: Tolerance = Tolerance(), bisect: bool = True, reference: str = "jax-single",
+                params: dict | None = None) -> tuple[BackendRun, list[BackendRun]]:
+    """(reference, [one run per backend]) of ``program`` on ``steps`` batches of ``data`` (default:
+    the model's dataset). A backend that disagrees beyond ``tol`` is bisected on the first batch."""
+    batches = compare_batches(program, steps, seed, data)
+    start = program.init(seed) if params is None else params
+    ref = get_backend(reference)
+    ref_losses, ref_grads, ref_params = ref.run(program, run_steps, batches, params=start, seed=seed)
+    reference_run = BackendRun(reference, ref_losses, grads=ref_grads, params=ref_params)
+    moved = {k: ref_params[k] - start[k] for k in start}
     runs = []
     for name in backends:
-        if name == "torch":
-            from .backends.torch.launch import spawn
-
-            losses, grads, final = spawn(_torch_worker, mesh.size, preset, strategy, dict(mesh.axes), batches, seed,
-                                         timeout_s=900)[0]
-        elif name in ("jax", "jax-gspmd"):
-            losses, grads, final = _jax_run(model, params, batches, "explicit" if name == "jax" else "gspmd",
-                                            strategy, mesh)
-        else:
-            raise ValueError(f"backend {name!r} is unknown; choose from {', '.join(BACKENDS)}.")
+        losses, grads, final = get_backend(name).run(program, run_steps, batches, params=start, seed=seed,
+                                                     timeout_s=900)
         run = BackendRun(name, losses, grads=grads, params=final)
         run.grad_diff, run.worst_grad = _rel(grads, ref_grads, ref_grads)
         run.param_diff, run.worst_param = _rel(final, ref_params, moved)
-        run.loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        run.loss_diff = max(abs(a - b) / abs(b) if np.isfinite(a) else float("inf") for a, b in zip(losses, ref_losses))
         run.agree = run.loss_diff <= tol.loss and run.grad_diff <= tol.grad and run.param_diff <= tol.param
         if not run.agree and bisect:
             from .bisection import bisect as bisect_run
 
-            run.bisect = bisect_run(name, model, strategy, mesh, params, *batches[0], seed=seed, preset=preset,
+            run.bisect = bisect_run(name, program, batches[0], params=start, seed=seed, reference=reference,
                                     ref_grads=ref_grads, grads=grads)
         runs.append(run)
-    return reference, runs
+    return reference_run, runs
+
+
+def drop_all_reduce(layer: str) -> Fault:
+    """Fault injection, to watch the bisect work: every sharded executor (torch, JAX explicit,
+    numpy) drops the forward all-reduces run while ``layer`` (a parameter-name prefix, e.g.
+    ``blocks.1.mlp``) is the latest layer asked for its parameters: ``program.replace(fault=...)``."""
+    return Fault("drop-all-reduce", layer)
 
 
 def plot_compare(reference: BackendRun, runs: list[BackendRun], path: str, *, title: str, tol: Tolerance) -> None:
@@ -184,7 +121,7 @@ def plot_compare(reference: BackendRun, runs: list[BackendRun], path: str, *, ti
 
     steps = np.arange(1, len(reference.losses) + 1)
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
-    a.plot(steps, reference.losses, "k-", lw=3, label="reference (1 device)")
+    a.plot(steps, reference.losses, "k-", lw=3, label=f"reference ({reference.name})")
     for r in runs:
         a.plot(steps, r.losses, "o--", label=r.name)
     a.set(xlabel="step", ylabel="loss", title="loss")

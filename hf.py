@@ -23,7 +23,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from .core.model import GPT, Activation, GPTConfig, Norm, Positions
+from .core.layers import Activation
+from .core.models.gpt import GPT, GPTConfig, Norm, Positions, config_from_json
 
 __all__ = ["from_hf", "to_hf", "to_hf_model", "save_hf", "load_hf", "FAMILIES", "checkpoint_to_hf",
            "hf_to_checkpoint"]
@@ -348,12 +349,17 @@ def load_hf(path: str | Path, *, seq: int | None = None) -> tuple[GPTConfig, dic
 # -- parlay checkpoints <-> Hugging Face folders ----------------------------------------------------
 
 def checkpoint_to_hf(checkpoint: str | Path, out: str | Path, **hf_overrides) -> Path:
-    """A parlay checkpoint's parameters (any backend, strategy or mesh) as a Hugging Face folder."""
-    from .checkpoint import Checkpoint
-    from .training import config_from_json
+    """A parlay checkpoint of a GPT (any backend, strategy or mesh) as a Hugging Face folder."""
+    from .checkpoint import Checkpoint, CheckpointError
 
     ckpt = Checkpoint(checkpoint)
-    config = config_from_json(ckpt.meta("model"), f"{ckpt.path}/manifest.json: field 'model'")
+    where = f"{ckpt.path}/manifest.json: field 'model'"
+    model = ckpt.meta("model")
+    describe = model.get("describe") if isinstance(model, dict) else None
+    if not isinstance(describe, dict) or describe.get("kind") != "gpt":
+        raise CheckpointError(f"{where}: the checkpoint holds {model.get('ref') if isinstance(model, dict) else model!r}, "
+                              f"not a parlay GPT; export-hf writes GPT-2 and LLaMA models only")
+    config = config_from_json(describe.get("config"), f"{where}.describe.config")
     shapes = GPT(config).param_shapes()
     params = {k: ckpt.read(f"params/{k}", shape=shape) for k, shape in shapes.items()}
     # parlay's vocabularies (bytes) have no special tokens: none for generate() to stop at.
@@ -369,9 +375,9 @@ def hf_to_checkpoint(folder: str | Path, root: str | Path, *, step: int = 0, seq
     from . import checkpoint
     from .core import Layout, Mesh, P
     from .core.optim import OptimizerConfig
-    from .training import config_json
 
     config, params = load_hf(folder, seq=seq)
+    model = GPT(config)
     whole = Layout(Mesh(dp=1), P())
     tensors, blocks = [], {}
     for kind in ("params", "opt/mu", "opt/nu"):
@@ -380,7 +386,8 @@ def hf_to_checkpoint(folder: str | Path, root: str | Path, *, step: int = 0, seq
             pieces = checkpoint.pieces_of(name, whole, v.shape)
             tensors.append((name, v.shape, str(whole), pieces))
             blocks.setdefault(pieces[0].file, {})[pieces[0].key] = v if kind == "params" else np.zeros_like(v)
-    meta = {"count": 0, "backend": "hf", "mode": "", "preset": None, "model": config_json(config),
+    meta = {"count": 0, "backend": "hf", "model": {"ref": None, "describe": model.describe(),
+                                                   "params": {k: list(v) for k, v in model.param_shapes().items()}},
             "mesh": {"dp": 1}, "strategy": "dp", "optimizer": asdict(OptimizerConfig()),
             "data": {}, "rng": {}, "losses": [], "evals": [], "source": str(folder)}
     checkpoint.save(root, step, tensors, blocks, meta)

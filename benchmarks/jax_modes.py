@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from parlay.xla_env import use_host_devices
+from parlay.backends.jax.env import use_host_devices
 
 use_host_devices(8)
 if __name__ == "__main__":
@@ -34,8 +34,9 @@ from rich.table import Table
 
 from parlay import Mesh
 from parlay.backends.jax.hlo import busiest_device_bytes, count_collectives, parse_collectives
-from parlay.backends.jax.train import Mode, TrainStep
-from parlay.core.model import GPT, PRESETS
+from parlay.backends.jax.session import JaxSession, Mode
+from parlay.core.models.gpt import GPT, PRESETS
+from parlay.core.program import make_program
 
 STRATEGIES = [
     ("dp", Mesh(dp=8)),
@@ -52,24 +53,23 @@ STRATEGIES = [
 
 
 def _batch(config, batch: int):
-    tokens = np.random.default_rng(0).integers(0, config.vocab, (batch, config.seq + 1))
-    return tokens[:, :-1], tokens[:, 1:]
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (batch, config.seq + 1)).astype(np.int32)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def step_hlo(step: TrainStep, params, x, y) -> str:
-    state = step.init(params)
-    return step._step.lower(state, step._place_batch(x), step._place_batch(y)).compile().as_text()
+def _session(model, name, mesh, mode, params, batch):
+    return JaxSession(make_program(model, name, mesh, batch=batch), mode, params)
 
 
 def collectives_rows(preset: str = "tiny", batch: int = 8):
     model = GPT(PRESETS[preset])
     params = model.init(0)
-    x, y = _batch(model.config, batch)
+    b = _batch(model.config, batch)
     rows = []
     for name, mesh in STRATEGIES:
         row = [name, " x ".join(f"{a}={n}" for a, n in mesh.axes)]
         for mode in (Mode.EXPLICIT, Mode.GSPMD):
-            colls = parse_collectives(step_hlo(TrainStep(model, strategy=name, mesh=mesh, mode=mode), params, x, y), mesh.size)
+            colls = parse_collectives(_session(model, name, mesh, mode, params, batch).step_hlo(b), mesh.size)
             counts = count_collectives(colls)
             row += [", ".join(f"{k} x{v}" for k, v in counts.items()) or "-", busiest_device_bytes(colls)]
         rows.append(row)
@@ -80,23 +80,19 @@ def time_rows(layers: int, seq: int, batch: int, steps: int, strategies):
     config = PRESETS["gpt2-small"].with_(layers=layers, seq=seq)
     model = GPT(config)
     params = model.init(0)
-    x, y = _batch(config, batch)
+    b = _batch(config, batch)
     rows = []
     for name, mesh in strategies:
         ms = {}
         for mode in (Mode.EXPLICIT, Mode.GSPMD):
-            step = TrainStep(model, strategy=name, mesh=mesh, mode=mode, batch=batch)
-            state = step.init(params)
-            xb, yb = step._place_batch(x), step._place_batch(y)
+            session = _session(model, name, mesh, mode, params, batch)
             start = time.perf_counter()
-            state, loss = step._step(state, xb, yb)
-            loss.block_until_ready()
+            session.step(b)  # compiles; the loss is fetched, so the step has finished
             compile_s = time.perf_counter() - start
             times = []
             for _ in range(steps):
                 start = time.perf_counter()
-                state, loss = step._step(state, xb, yb)
-                loss.block_until_ready()
+                session.step(b)
                 times.append(time.perf_counter() - start)
             ms[mode] = (1e3 * statistics.median(times), compile_s)
         e, g = ms[Mode.EXPLICIT], ms[Mode.GSPMD]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from parlay.xla_env import use_host_devices
+from parlay.backends.jax.env import use_host_devices
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 use_host_devices(8)
@@ -38,7 +38,7 @@ from typing import Iterable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from parlay.backends.jax import lower_layout, lower_mesh
+from parlay.backends.jax.mesh import lower_layout, lower_mesh
 from parlay.backends.jax.hlo import busiest_device_bytes, parse_collectives
 from parlay.core import Layout, Mesh, P, plan_redistribute
 

@@ -29,11 +29,13 @@ import torch.nn as nn
 
 from parlay import Mesh
 from parlay.backends.torch.launch import spawn
-from parlay.backends.torch.ops import TorchOps
-from parlay.backends.torch.train import ShardedModel, ShardedTrainer
-from parlay.core.model import GPT, GPTConfig, Norm, rotary_tables
+from parlay.backends.torch.ops import TorchLocal
+from parlay.backends.torch.session import TorchSession
+from parlay.core.models.gpt import GPT, GPTConfig, Norm, rotary_tables
+from parlay.core.ops import DenseOps
+from parlay.core.program import make_program
 
-OPS = TorchOps()
+OPS = DenseOps(TorchLocal())
 
 
 class PlainBlock(nn.Module):
@@ -181,15 +183,16 @@ def _peer(kind: str, config: GPTConfig, params, x, y, steps: int):
 def _parlay(strategy: str, config: GPTConfig, params, x, y, steps: int):
     world = dist.get_world_size()
     axis = "tp" if strategy == "tp" else "dp"
-    trainer = ShardedTrainer(ShardedModel(GPT(config), strategy, Mesh({axis: world}), batch=len(x)), params)
-    return _time(lambda: trainer.step(x, y), steps)
+    session = TorchSession(make_program(GPT(config), strategy, Mesh({axis: world}), batch=len(x)), params)
+    batch = {"tokens": x, "targets": y}
+    return _time(lambda: session.step(batch), steps)
 
 
 def worker(rank: int, config: GPTConfig, batch: int, steps: int):
     torch.manual_seed(0)
     model = GPT(config)
     params = model.init(0)
-    tokens = np.random.default_rng(0).integers(0, config.vocab, (batch, config.seq + 1))
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (batch, config.seq + 1)).astype(np.int32)
     x, y = tokens[:, :-1], tokens[:, 1:]
     rows = []
     for ours, peer, label in (("dp", "ddp", "DistributedDataParallel"), ("fsdp", "fsdp2", "FSDP2 fully_shard"),

@@ -20,7 +20,7 @@ from typing import Sequence
 from .plan import Plan, plan_redistribute
 from .spec import Layout, P, normalize_shape
 
-__all__ = ["EinsumPlan", "plan_einsum"]
+__all__ = ["EinsumPlan", "plan_einsum", "parse_einsum"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,8 @@ class EinsumPlan:
         return "\n".join(lines)
 
 
-def _parse(equation: str, nops: int) -> tuple[list[str], str]:
+def parse_einsum(equation: str, nops: int) -> tuple[list[str], str]:
+    """(operand terms, output letters) of a checked einsum equation."""
     if not isinstance(equation, str):
         raise TypeError(f"einsum equation must be a str, got {equation!r}.")
     eq = equation.replace(" ", "")
@@ -91,7 +92,7 @@ def plan_einsum(equation: str, layouts: Sequence[Layout], shapes: Sequence[Seque
 
 @lru_cache(maxsize=1024)
 def _plan_einsum(equation, layouts, shapes, itemsize) -> EinsumPlan:
-    terms, out = _parse(equation, len(layouts))
+    terms, out = parse_einsum(equation, len(layouts))
     mesh = layouts[0].mesh
     for i, l in enumerate(layouts):
         if not isinstance(l, Layout):

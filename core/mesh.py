@@ -8,7 +8,20 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Mapping
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "prime_factors"]
+
+
+def prime_factors(n: int) -> tuple[int, ...]:
+    """``n``'s prime factors, smallest first (``()`` for 1)."""
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    if n > 1:
+        out.append(n)
+    return tuple(out)
 
 
 def _check_axis_name(name: object, *, where: str) -> str:

@@ -1,18 +1,30 @@
-"""The neutral ops interface: what a layer's forward may call. Each backend implements it.
+"""The neutral ops: what a layer's forward may call (``Ops``), and what a backend's array library
+must provide for them on whole arrays or one rank's blocks (``LocalOps``).
 
-Tensors are the backend's own (a jax.Array, a torch.Tensor, or a sharded wrapper); layers never
-look inside them. Every op is named by what it computes on global arrays; a backend that holds
-local shards turns each into local work plus the collectives its layouts need.
+Tensors are the backend's own (a jax.Array, a torch.Tensor, a numpy autodiff value, or the
+sharded executor's ``Sharded``); layers never look inside them except for ``.shape``. Every op is
+named by what it computes on global arrays. ``DenseOps`` runs them on whole arrays (one device,
+or GSPMD's global arrays, with hooks at the constraint points); ``parlay.core.executor`` runs them
+on per-rank blocks with the collectives their layouts need.
+
+Adding an op: a method here (``Ops``), a layout rule in ``core/layouts.py`` and a method in the
+executor (or, for an elementwise op, a name in ``ELEMENTWISE``), and one local function per
+backend (``LocalOps``: numpy, torch, JAX). The README's "Adding an op" walks through one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-__all__ = ["Ops", "LogicalDims"]
+import numpy as np
+
+__all__ = ["Ops", "LocalOps", "LogicalDims", "DenseOps", "ELEMENTWISE", "dropout_keep", "DropoutKey"]
 
 LogicalDims = Sequence[str | None]
 Tensor = Any
+
+# Elementwise ops of one operand: the executor completes pending sums and applies them blockwise.
+ELEMENTWISE = ("gelu", "silu", "relu", "tanh")
 
 
 class Ops(Protocol):
@@ -23,20 +35,41 @@ class Ops(Protocol):
     def constrain(self, x: Tensor, dims: LogicalDims) -> Tensor:
         """Put an activation in the layout its logical dims resolve to (a constraint point)."""
 
+    def constant(self, value: Any) -> Tensor:
+        """A numpy array (e.g. rotary tables) as a replicated tensor without gradient."""
+
     def einsum(self, equation: str, *operands: Tensor) -> Tensor: ...
 
-    def add(self, x: Tensor, y: Tensor) -> Tensor: ...
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        """Elementwise, equal shapes."""
 
-    def mul(self, x: Tensor, y: Tensor) -> Tensor: ...
+    def mul(self, x: Tensor, y: Tensor) -> Tensor:
+        """Elementwise, equal shapes."""
 
     def add_bias(self, x: Tensor, b: Tensor) -> Tensor:
-        """``x + b`` where b's dims are x's trailing dims (a (D,) bias, a (H, D) bias, the (S, E)
-        learned position table). A pending sum gets the bias once, not once per addend."""
+        """``x + b`` where b's dims are x's trailing dims (a (D,) bias, a (H, D) bias, a (S, E)
+        position table). A pending sum gets the bias once, not once per addend."""
+
+    def scale(self, x: Tensor, c: float) -> Tensor:
+        """``x * c`` for a Python number ``c`` (linear: pending sums stay pending)."""
 
     def gelu(self, x: Tensor) -> Tensor:
         """GELU, tanh approximation (GPT-2's)."""
 
     def silu(self, x: Tensor) -> Tensor: ...
+
+    def relu(self, x: Tensor) -> Tensor: ...
+
+    def tanh(self, x: Tensor) -> Tensor: ...
+
+    def softmax(self, x: Tensor, dim: int = -1) -> Tensor: ...
+
+    def sum(self, x: Tensor, dim: int) -> Tensor:
+        """Sum over ``dim`` (removed). Over a sharded dim the result is a pending sum: no
+        communication until a value needs it whole."""
+
+    def mean(self, x: Tensor, dim: int) -> Tensor:
+        """Mean over ``dim`` (removed); as ``sum``."""
 
     def rms_norm(self, x: Tensor, scale: Tensor, eps: float) -> Tensor:
         """Over the last dim."""
@@ -45,7 +78,7 @@ class Ops(Protocol):
         """Over the last dim."""
 
     def embed(self, table: Tensor, tokens: Tensor) -> Tensor:
-        """``table[tokens]``: (V, E) and (B, S) ints -> (B, S, E)."""
+        """``table[tokens]``: (V, E) and int ids of any shape -> ids.shape + (E,)."""
 
     def rotary(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Rotary positions on (B, S, H, D) with (S, D/2) tables (pairs are the two halves of D)."""
@@ -54,8 +87,194 @@ class Ops(Protocol):
         """Softmax attention on (B, S, H, D); k and v may have fewer heads (grouped-query), a
         divisor of q's, each serving H/Hkv consecutive query heads."""
 
-    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean over all tokens of -log softmax(logits)[target]; logits (B, S, V), targets (B, S)."""
+    def dropout(self, x: Tensor, rate: float, *, key: str) -> Tensor:
+        """In training steps, zero each element with probability ``rate`` and scale the rest by
+        1/(1-rate); identity in evaluation. The bits are a function of (seed, step, key, the
+        element's global index) alone: the same on every backend and every layout."""
 
-    def constant(self, value: Any) -> Tensor:
-        """A numpy array (e.g. rotary tables) as a replicated backend tensor."""
+    def rearrange(self, x: Tensor, pattern: str, **sizes: int) -> Tensor:
+        """einops' ``rearrange`` (reshape and transpose by pattern, e.g. ``"b (h w) c -> b h w c"``)."""
+
+    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean over every leading position of -log softmax(logits)[target]; logits (..., V),
+        int targets (...)."""
+
+
+class LocalOps(Protocol):
+    """A backend's math on plain arrays: whole arrays (one device) or one rank's blocks. Besides
+    these methods the executor uses the arrays' own operators (+ - * / comparisons & ~)."""
+
+    # -- the ops on whole (or local) arrays
+    def einsum(self, equation: str, *xs): ...
+    def gelu(self, x): ...
+    def silu(self, x): ...
+    def relu(self, x): ...
+    def tanh(self, x): ...
+    def softmax(self, x, dim: int): ...
+    def rms_norm(self, x, scale, eps: float): ...
+    def layer_norm(self, x, scale, bias, eps: float): ...
+    def rotary(self, x, cos, sin): ...
+    def attention(self, q, k, v, *, causal: bool): ...
+    def rearrange(self, x, pattern: str, sizes: dict): ...
+    def cross_entropy(self, logits, targets): ...
+
+    # -- pieces the executor composes sharded reductions from
+    def constant(self, value: np.ndarray): ...
+    def sum(self, x, dim: int, *, keepdim: bool = False): ...
+    def max(self, x, dim: int, *, keepdim: bool = False):
+        """Without gradient (a shift that cancels)."""
+    def exp(self, x): ...
+    def log(self, x): ...
+    def rsqrt(self, x): ...
+    def take(self, table, ids):
+        """Rows of a (V, E) table: ``table[ids]``."""
+    def take_last(self, x, ids):
+        """``x[..., ids[...]]``: one element of the last dim per leading position."""
+    def where(self, mask, x, y): ...
+    def cast(self, x, like):
+        """``x`` (bool or int) as ``like``'s float dtype."""
+    def iota(self, shape: tuple[int, ...], dim: int):
+        """int32 indices along ``dim``, broadcastable to ``shape``."""
+    def vocab_cross_entropy(self, logits, ids, hit, combine: Callable):
+        """Per-position loss of (..., V/n) logits whose target column is ``ids`` (local, clamped)
+        where ``hit``; ``combine(m, se, picked)`` sums the statistics over the vocabulary's
+        shards (max, sum of exp(l - max), the target's logit) and returns them whole."""
+
+
+class DropoutKey:
+    """What a dropout mask depends on besides the element: (seed, step). ``step`` may be a traced
+    scalar (JAX) or an int."""
+
+    __slots__ = ("seed", "step")
+
+    def __init__(self, seed: int = 0, step: Any = 0):
+        self.seed = np.int32(_i32(int(seed)))
+        self.step = np.int32(_i32(int(step))) if isinstance(step, (int, np.integer)) else step
+
+
+def _i32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+_M1, _M2 = np.int32(_i32(0x85EBCA6B)), np.int32(_i32(0xC2B2AE35))
+
+
+def _mix(h):
+    """murmur3's 32-bit finalizer on int32 arrays (wrapping multiplies, logical shifts), written
+    with operators only, so numpy, torch and JAX compute the same bits."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _M1
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _M2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def dropout_keep(coords: Sequence[Any], rate: float, key: str, rng: DropoutKey):
+    """The keep mask (bool) at global ``coords`` (one int32 index array per dim, broadcastable):
+    ``hash(seed, step, key, coords) >= rate * 2**24`` on its top 24 bits."""
+    import zlib
+
+    words = coords[0] * 0 + np.int32(_i32(zlib.crc32(key.encode())))
+    words = _mix(words ^ rng.seed)
+    words = _mix(words ^ rng.step)
+    for c in coords:
+        words = _mix(words ^ c)
+    return ((words >> 8) & 0xFFFFFF) >= int(round(rate * (1 << 24)))
+
+
+class DenseOps:
+    """``Ops`` on whole arrays with a backend's ``LocalOps``: the single-device reference, and
+    GSPMD mode's global arrays (``constrain`` and ``param`` hooks put sharding constraints there).
+    ``training``: dropout on (with ``rng``) or off."""
+
+    def __init__(self, local: LocalOps, *, constrain: Callable | None = None, param: Callable | None = None,
+                 training: bool = True, rng: DropoutKey | None = None):
+        self.local, self._constrain, self._param = local, constrain, param
+        self.training, self.rng = training, rng or DropoutKey()
+
+    def param(self, name, value, dims):
+        return value if self._param is None else self._param(name, value, dims)
+
+    def constrain(self, x, dims):
+        return x if self._constrain is None else self._constrain(x, dims)
+
+    def constant(self, value):
+        return self.local.constant(np.asarray(value))
+
+    def einsum(self, equation, *operands):
+        return self.local.einsum(equation, *operands)
+
+    def add(self, x, y):
+        _same_shape("add", x, y)
+        return x + y
+
+    def mul(self, x, y):
+        _same_shape("mul", x, y)
+        return x * y
+
+    def add_bias(self, x, b):
+        return x + b  # b's dims are x's trailing dims
+
+    def scale(self, x, c):
+        return x * float(c)
+
+    def gelu(self, x):
+        return self.local.gelu(x)
+
+    def silu(self, x):
+        return self.local.silu(x)
+
+    def relu(self, x):
+        return self.local.relu(x)
+
+    def tanh(self, x):
+        return self.local.tanh(x)
+
+    def softmax(self, x, dim=-1):
+        return self.local.softmax(x, dim % len(x.shape))
+
+    def sum(self, x, dim):
+        return self.local.sum(x, dim % len(x.shape))
+
+    def mean(self, x, dim):
+        d = dim % len(x.shape)
+        return self.local.sum(x, d) * (1.0 / x.shape[d])
+
+    def rms_norm(self, x, scale, eps):
+        return self.local.rms_norm(x, scale, eps)
+
+    def layer_norm(self, x, scale, bias, eps):
+        return self.local.layer_norm(x, scale, bias, eps)
+
+    def embed(self, table, tokens):
+        return self.local.take(table, tokens)
+
+    def rotary(self, x, cos, sin):
+        return self.local.rotary(x, cos, sin)
+
+    def attention(self, q, k, v, *, causal=True):
+        return self.local.attention(q, k, v, causal=causal)
+
+    def dropout(self, x, rate, *, key):
+        if not self.training or rate == 0:
+            return x
+        shape = tuple(x.shape)
+        coords = [self.local.iota(shape, d) for d in range(len(shape))]
+        keep = dropout_keep(coords, rate, key, self.rng)
+        return self.local.where(keep, x * (1.0 / (1.0 - rate)), x * 0.0)
+
+    def rearrange(self, x, pattern, **sizes):
+        from .layouts import parse_rearrange
+
+        parse_rearrange(pattern, tuple(x.shape), sizes)  # the same checks as the sharded executor
+        return self.local.rearrange(x, pattern, sizes)
+
+    def cross_entropy(self, logits, targets):
+        return self.local.cross_entropy(logits, targets)
+
+
+def _same_shape(op: str, x, y) -> None:
+    if tuple(x.shape) != tuple(y.shape):
+        raise ValueError(f"{op}: shapes {tuple(x.shape)} and {tuple(y.shape)} differ; {op} is elementwise on equal "
+                         f"shapes (add_bias adds a tensor over trailing dims).")

@@ -4,9 +4,11 @@ rate, described once so that torch and JAX take the same steps (and a checkpoint
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["OptimizerConfig"]
+import numpy as np
+
+__all__ = ["OptimizerConfig", "AdamState", "adamw_update", "clip_scale"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +56,40 @@ class OptimizerConfig:
                 progress = xp.clip((t - self.warmup) / span, 0.0, 1.0)
             lr = lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + xp.cos(math.pi * progress)))
         return lr
+
+
+@dataclass
+class AdamState:
+    """AdamW's moments (global float32 arrays by parameter name) and the number of updates done."""
+
+    mu: dict = field(default_factory=dict)
+    nu: dict = field(default_factory=dict)
+    count: int = 0
+
+
+def clip_scale(norm: float, clip: float) -> float:
+    """optax.clip_by_global_norm's factor: 1 below ``clip``, else clip / norm."""
+    return 1.0 if norm < clip else clip / norm
+
+
+def adamw_update(params: dict, grads: dict, state: AdamState, cfg: OptimizerConfig) -> dict:
+    """One update, in numpy, as optax.chain(clip_by_global_norm, adamw) and torch's AdamW take it
+    (the specification the numpy backend runs): the new parameters; ``state`` is advanced."""
+    norm = math.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in grads.values()))
+    scale = np.float32(clip_scale(norm, cfg.clip))
+    t = state.count + 1
+    lr = np.float32(cfg.lr_at(state.count))
+    out = {}
+    for k, p in params.items():
+        g = grads[k] * scale
+        mu = state.mu.get(k, np.zeros_like(p))
+        nu = state.nu.get(k, np.zeros_like(p))
+        mu = np.float32(cfg.beta1) * mu + np.float32(1 - cfg.beta1) * g
+        nu = np.float32(cfg.beta2) * nu + np.float32(1 - cfg.beta2) * g * g
+        state.mu[k], state.nu[k] = mu, nu
+        m_hat = mu / np.float32(1 - cfg.beta1 ** t)
+        v_hat = nu / np.float32(1 - cfg.beta2 ** t)
+        out[k] = (p - lr * (m_hat / (np.sqrt(v_hat) + np.float32(cfg.eps)) + np.float32(cfg.weight_decay) * p)
+                  ).astype(np.float32)
+    state.count = t
+    return out

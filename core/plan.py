@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator, Sequence
 
-from .mesh import Mesh
+from .mesh import Mesh, prime_factors
 from .spec import Layout, P, normalize_shape
 from .steps import (
     AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, ReduceScatter, Step, collective_bytes,
@@ -84,18 +84,6 @@ class Plan:
 # several seconds. Larger meshes split their axes less finely (and may miss a split XLA would find).
 MAX_ATOMS = 4
 
-def _prime_factors(n: int) -> tuple[int, ...]:
-    out, p = [], 2
-    while p * p <= n:
-        while n % p == 0:
-            out.append(p)
-            n //= p
-        p += 1
-    if n > 1:
-        out.append(n)
-    return tuple(out)
-
-
 @dataclass(frozen=True)
 class _Atoms:
     mesh: Mesh
@@ -107,7 +95,7 @@ class _Atoms:
     @classmethod
     def of(cls, mesh: Mesh, involved: set[str]) -> "_Atoms":
         """Atoms of the ``involved`` axes: prime factors, coarsened to at most MAX_ATOMS in all."""
-        split = {axis: list(_prime_factors(n)) for axis, n in mesh.axes if axis in involved}
+        split = {axis: list(prime_factors(n)) for axis, n in mesh.axes if axis in involved}
         while sum(map(len, split.values())) > MAX_ATOMS:
             # Merge the two most minor factors of the most split axis (ties: the later axis).
             axis = max(split, key=lambda a: (len(split[a]), mesh.axis_names.index(a)))

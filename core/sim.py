@@ -15,7 +15,7 @@ from .plan import Plan
 from .spec import Layout
 from .steps import AllGather, AllReduce, AllToAll, LocalSlice, Permute, ReduceScatter, Step
 
-__all__ = ["scatter", "gather", "simulate", "simulate_step", "simulate_einsum", "resolve_partial"]
+__all__ = ["scatter", "gather", "simulate", "simulate_step", "step_on_mesh", "simulate_einsum", "resolve_partial"]
 
 
 def _check_shards(shards: Sequence[np.ndarray], layout: Layout, what: str) -> None:
@@ -102,7 +102,11 @@ def gather(shards: Sequence[np.ndarray], layout: Layout) -> np.ndarray:
 
 def simulate_step(step: Step, shards: Sequence[np.ndarray], layout: Layout) -> list[np.ndarray]:
     """Execute one step on per-rank arrays; ``layout`` is the layout before the step."""
-    mesh = layout.mesh
+    return step_on_mesh(step, shards, layout.mesh)
+
+
+def step_on_mesh(step: Step, shards: Sequence[np.ndarray], mesh) -> list[np.ndarray]:
+    """Execute one step on per-rank arrays of ``mesh`` (the plan's mesh: its axes may be sub-axes)."""
     out = list(shards)
     if isinstance(step, Permute):
         for src, dst in step.pairs:

@@ -235,6 +235,10 @@ class Layout:
         shape = self.check(shape)
         return tuple(n // self.shard_count(d) for d, n in enumerate(shape))
 
+    def global_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
+        """The global shape whose blocks in this layout have ``local_shape``."""
+        return tuple(int(n) * self.shard_count(d) for d, n in enumerate(local_shape))
+
     def shard_index(self, rank: int, d: int) -> int:
         """Which block of dim ``d`` rank ``rank`` holds."""
         return self.mesh.index_in_group(rank, self.dim_axes(d))

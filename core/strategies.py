@@ -11,22 +11,35 @@ ulysses), ``row`` and ``col`` (the two axes of tp2d).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from .mesh import Mesh
 from .rules import RuleError, Rules
 from .spec import Layout
 
-__all__ = ["Strategy", "STRATEGIES", "get_strategy"]
+__all__ = ["Role", "Strategy", "STRATEGIES", "get_strategy"]
 
-_CATEGORIES = ("params", "compute", "activations", "optimizer", "grads")
+
+class Role(enum.Enum):
+    """What a rule set places: parameters as stored, parameters where used, activations (inputs
+    and constraint points), optimizer states, gradients."""
+
+    PARAMS = "params"
+    COMPUTE = "compute"
+    ACTIVATIONS = "activations"
+    OPTIMIZER = "optimizer"
+    GRADS = "grads"
 
 
 @dataclass(frozen=True)
 class Strategy:
     """Rule sets per role. ``compute`` and ``grads`` default to ``params``; ``optimizer`` to
-    ``grads``. ``divides`` lists (config field, axis) pairs that must divide for it to apply."""
+    ``grads``. ``generic``: logical names whose rules may match no tensor of a model (a built-in
+    strategy covers the GPT's whole vocabulary, and a model without, say, a vocabulary is fine);
+    in a user's strategy every rule must match some tensor (a typo is an error, not a silent
+    replication)."""
 
     name: str
     params: Rules = Rules()
@@ -34,23 +47,29 @@ class Strategy:
     activations: Rules = Rules()
     optimizer: Rules | None = None
     grads: Rules | None = None
-    divides: tuple[tuple[str, str], ...] = ()
+    generic: frozenset = field(default=frozenset(), compare=False)
 
-    def rules(self, role: str) -> Rules:
-        if role == "compute":
+    def rules(self, role: Role | str) -> Rules:
+        role = Role(role)
+        if role is Role.COMPUTE:
             return self.compute if self.compute is not None else self.params
-        if role == "grads":
+        if role is Role.GRADS:
             return self.grads if self.grads is not None else self.params
-        if role == "optimizer":
-            return self.optimizer if self.optimizer is not None else self.rules("grads")
-        return getattr(self, role)
+        if role is Role.OPTIMIZER:
+            return self.optimizer if self.optimizer is not None else self.rules(Role.GRADS)
+        return getattr(self, role.value)
 
     @property
     def axes(self) -> tuple[str, ...]:
         seen: list[str] = []
-        for role in _CATEGORIES:
+        for role in Role:
             seen += [a for a in self.rules(role).axes if a not in seen]
         return tuple(seen)
+
+    @property
+    def names(self) -> frozenset:
+        """Every logical name some rule maps."""
+        return frozenset(n for role in Role for n, _ in self.rules(role).rules)
 
     def __add__(self, other: "Strategy") -> "Strategy":
         shared = set(self.axes) & set(other.axes)
@@ -61,40 +80,18 @@ class Strategy:
             )
         return Strategy(
             f"{self.name}+{other.name}",
-            **{role: _merge(self.rules(role), other.rules(role)) for role in _CATEGORIES},
-            divides=self.divides + other.divides,
+            **{role.value: _merge(self.rules(role), other.rules(role)) for role in Role},
+            generic=self.generic | other.generic,
         )
 
-    # -- applying -----------------------------------------------------------------------------------
-    def check(self, mesh: Mesh, config=None, *, batch: int | None = None) -> None:
-        """Raise one error listing every reason this strategy cannot run on ``mesh`` / ``config``."""
-        problems = []
-        missing = [a for a in self.axes if not mesh.has_axis(a)]
-        if missing:
-            problems.append(
-                f"strategy {self.name!r} needs mesh axes {list(self.axes)} but {mesh} lacks "
-                f"{missing}; e.g. --mesh " + ",".join(f"{a}=2" for a in self.axes)
-            )
-        if config is not None and not missing:
-            for field, axis in self.divides:
-                n, k = getattr(config, field), mesh.axis_size(axis)
-                if n % k:
-                    problems.append(f"{field}={n} is not divisible by {axis}={k}, which strategy "
-                                    f"{self.name!r} splits it over")
-            if batch is not None:
-                n = mesh.group_size([a for a in self.rules("activations").candidates_axes("batch")])
-                if batch % n:
-                    problems.append(f"batch={batch} is not divisible by {n}, the data-parallel ranks of {mesh}")
-        if problems:
-            raise ValueError(f"strategy {self.name!r} cannot run on {mesh}: " + "; ".join(problems) + ".")
-
-    def layouts(self, role: str, dims: Mapping[str, Sequence[str | None]], mesh: Mesh,
+    def layouts(self, role: Role | str, dims: Mapping[str, Sequence[str | None]], mesh: Mesh,
                 shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Layout]:
-        """Layouts of named tensors for ``role`` (``"params"``, ``"compute"``, ...)."""
+        """Layouts of named tensors for ``role``."""
+        role = Role(role)
         try:
             return self.rules(role).resolve_all(dims, mesh, shapes)
         except RuleError as e:
-            raise RuleError(f"strategy {self.name!r}, {role}: " + str(e).split("\n")[0], e.problems) from None
+            raise RuleError(f"strategy {self.name!r}, {role.value}: " + str(e).split("\n")[0], e.problems) from None
 
 
 def _merge(a: Rules, b: Rules) -> Rules:
@@ -112,33 +109,34 @@ def _rules(**mapping) -> Rules:
 
 
 _TP_NAMES = dict(heads="tp", kv_heads="tp", mlp="tp", vocab="tp")
-_TP_DIVIDES = (("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("vocab", "tp"))
+
+
+def _builtin(name: str, **roles) -> Strategy:
+    """A built-in strategy: a template over parlay's logical vocabulary (``Dim``), so each of its
+    rules may match nothing in a model that lacks that name."""
+    out = Strategy(name, **roles)
+    return Strategy(name, **roles, generic=out.names)
+
 
 STRATEGIES: dict[str, Strategy] = {
-    "dp": Strategy("dp", activations=_rules(batch="dp")),
+    "dp": _builtin("dp", activations=_rules(batch="dp")),
     # Optimizer states (zero1), and gradients (zero2), sharded over dp along the embed dim.
-    "zero1": Strategy("zero1", activations=_rules(batch="dp"), grads=Rules(), optimizer=_rules(embed="dp"),
-                      divides=(("embed", "dp"),)),
-    "zero2": Strategy("zero2", activations=_rules(batch="dp"), grads=_rules(embed="dp"),
-                      divides=(("embed", "dp"),)),
+    "zero1": _builtin("zero1", activations=_rules(batch="dp"), grads=Rules(), optimizer=_rules(embed="dp")),
+    "zero2": _builtin("zero2", activations=_rules(batch="dp"), grads=_rules(embed="dp")),
     # FSDP / ZeRO-3: stored sharded, used replicated (gathered where used).
-    "fsdp": Strategy("fsdp", params=_rules(embed="dp"), compute=Rules(), activations=_rules(batch="dp"),
-                     divides=(("embed", "dp"),)),
-    "tp": Strategy("tp", params=_rules(**_TP_NAMES), activations=_rules(**_TP_NAMES), divides=_TP_DIVIDES),
+    "fsdp": _builtin("fsdp", params=_rules(embed="dp"), compute=Rules(), activations=_rules(batch="dp")),
+    "tp": _builtin("tp", params=_rules(**_TP_NAMES), activations=_rules(**_TP_NAMES)),
     # Megatron sequence parallel: the residual stream (norms, dropout) sharded along seq over tp.
-    "tp_sp": Strategy("tp_sp", params=_rules(**_TP_NAMES), activations=_rules(seq="tp", **_TP_NAMES),
-                      divides=_TP_DIVIDES + (("seq", "tp"),)),
+    "tp_sp": _builtin("tp_sp", params=_rules(**_TP_NAMES), activations=_rules(seq="tp", **_TP_NAMES)),
     # Ulysses: seq-sharded everywhere but inside attention, which is head-sharded.
     # Where the sequence is sharded, heads fall back to replicated (the all-to-all moves sp
     # between the two).
-    "ulysses": Strategy("ulysses", activations=Rules([("seq", "sp"), ("proj_seq", "sp"), ("heads", "sp"),
-                                                      ("kv_heads", "sp"), ("heads", None), ("kv_heads", None)]),
-                        divides=(("seq", "sp"), ("heads", "sp"), ("kv_heads", "sp"))),
+    "ulysses": _builtin("ulysses", activations=Rules([("seq", "sp"), ("proj_seq", "sp"), ("heads", "sp"),
+                                                      ("kv_heads", "sp"), ("heads", None), ("kv_heads", None)])),
     # 2D tensor parallel: weights over both axes, activations batch->row and embed->col.
-    "tp2d": Strategy("tp2d", params=_rules(embed="row", heads="col", kv_heads="col", mlp="col", vocab="col"),
-                     activations=_rules(batch="row", embed="col", heads="col", kv_heads="col", mlp="col", vocab="col"),
-                     divides=(("embed", "row"), ("embed", "col"), ("heads", "col"), ("kv_heads", "col"),
-                              ("mlp", "col"), ("vocab", "col"))),
+    "tp2d": _builtin("tp2d", params=_rules(embed="row", heads="col", kv_heads="col", mlp="col", vocab="col"),
+                     activations=_rules(batch="row", embed="col", heads="col", kv_heads="col", mlp="col",
+                                        vocab="col")),
 }
 
 

@@ -1,6 +1,6 @@
 import os
 
-from parlay.xla_env import use_host_devices
+from parlay.backends.jax.env import use_host_devices
 
 # JAX reads this once, when it first starts: 8 fake CPU devices for the sharding tests.
 use_host_devices(8)

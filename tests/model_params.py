@@ -3,7 +3,8 @@ puts tests/ on sys.path, and spawned ranks inherit it)."""
 
 import numpy as np
 
-from parlay.core.model import GPT, Init
+from parlay.core.layers import Init
+from parlay.core.models.gpt import GPT
 
 
 def params_for(model: GPT, seed: int = 0) -> dict[str, np.ndarray]:

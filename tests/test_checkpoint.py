@@ -248,7 +248,9 @@ def test_a_checkpoint_exports_to_a_hugging_face_folder_and_back(good, tmp_path):
     src = Checkpoint(good)
     for name in [n for n in src.tensors if n.startswith("params/")]:
         np.testing.assert_array_equal(back.read(name), src.read(name))
-    assert back.meta("model") == src.meta("model") and back.meta("count") == 0
+    for key in ("describe", "params"):
+        assert back.meta("model")[key] == src.meta("model")[key]
+    assert back.meta("count") == 0
 
 
 def test_init_from_an_imported_hugging_face_checkpoint(good, tmp_path):

@@ -73,17 +73,29 @@ def test_step_spawns_torch_ranks_and_runs_jax(capsys):
     assert "torch (2 gloo ranks)" in torch_out and "│    2 │" in torch_out
     assert main(["step", "--backend", "jax", "--mesh", "dp=2", "--strategy", "dp", "--steps", "2"]) == 0
     jax_out = capsys.readouterr().out
-    # Same weights and tokens: the first step's loss agrees across backends.
+    assert main(["step", "--backend", "numpy", "--mesh", "dp=2", "--strategy", "dp", "--steps", "2"]) == 0
+    numpy_out = capsys.readouterr().out
+    # Same weights and inputs: the first step's loss agrees across backends.
     first = lambda text: float(text.split("│    1 │")[1].split("│")[0])
-    assert abs(first(torch_out) - first(jax_out)) < 1e-5
+    assert abs(first(torch_out) - first(jax_out)) < 1e-5 and abs(first(numpy_out) - first(jax_out)) < 1e-5
+
+
+def test_step_says_every_reason_a_strategy_cannot_run(capsys):
+    assert main(["step", "--mesh", "dp=2", "--strategy", "tp"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("parlay: strategy 'tp' cannot run this model on Mesh(dp=2) with batch 8:\n  - strategy 'tp' "
+                          "uses mesh axes ['tp'] but Mesh(dp=2) lacks ['tp']; e.g. --mesh tp=2")
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["step", "--mesh", "dp=2", "--strategy", "tp"], "parlay: strategy 'tp' cannot run on Mesh(dp=2): strategy 'tp' needs mesh axes"),
-    (["step", "--mesh", "dp=2", "--strategy", "dp", "--model", "nope"], "parlay: --model 'nope' is unknown; presets are tiny"),
+    (["step", "--mesh", "dp=2", "--strategy", "dp", "--model", "nope"], "parlay: model 'nope' is not a preset (tiny,"),
     (["step", "--mesh", "dp=2", "--strategy", "zero4"], "parlay: unknown strategy 'zero4'"),
-    (["step", "--mesh", "dp=4096", "--strategy", "dp"], "parlay: --mesh 'dp=4096' has 4096 ranks; this machine can simulate at most"),
-    (["step", "--mesh", "dp=2", "--strategy", "dp", "--ranks", "3"], "parlay: Mesh(dp=2) has 2 ranks but the world has 3"),
+    (["step", "--mesh", "dp=4096", "--strategy", "dp"], "parlay: Mesh(dp=4096) has 4096 ranks; this machine runs at most"),
+    (["step", "--mesh", "dp=2", "--strategy", "dp", "--ranks", "3"], "parlay: --ranks 3: Mesh(dp=2) has 2 ranks; the torch"),
+    (["step", "--backend", "jax", "--mesh", "dp=2", "--strategy", "dp", "--ranks", "2"],
+     "parlay: --ranks is the number of torch processes; jax runs in this process"),
+    (["step", "--backend", "numpy", "--mesh", "dp=2", "--strategy", "dp", "--mode", "gspmd"],
+     "parlay: --mode gspmd chooses JAX's execution mode; it does nothing with --backend numpy"),
 ])
 def test_step_bad_arguments(argv, message, capsys):
     assert main(argv) == 2

@@ -18,7 +18,7 @@ def test_compare_agrees_and_writes_the_report(tmp_path, capsys):
     assert "reference (1 device)" in out and "agree" in out and f"plot written to {plot}" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     report = json.loads(path.read_text())
-    assert set(report["backends"]) == {"torch", "jax", "jax-gspmd"}
+    assert set(report["backends"]) == {"torch", "jax", "jax-gspmd", "numpy"}
     for run in report["backends"].values():
         assert len(run["losses"]) == 2 and run["agree"]
         assert run["param_rel_diff"] <= report["tolerance"]["param"]
@@ -26,34 +26,39 @@ def test_compare_agrees_and_writes_the_report(tmp_path, capsys):
 
 
 def test_a_dropped_all_reduce_makes_compare_exit_1_and_the_bisect_names_it(capsys, tmp_path):
-    """The fault: JAX explicit mode's forward all-reduces in blocks.1.mlp return their input."""
+    """The fault, planted in the one sharded executor: its forward all-reduces in blocks.1.mlp
+    return their input, on JAX explicit and on the numpy simulator alike (GSPMD's collectives
+    are XLA's: unaffected)."""
     path = tmp_path / "r.json"
-    argv = ["compare", "--model", "tiny", "--mesh", "tp=2", "--strategy", "tp", "--steps", "2", "--backends", "jax",
-            "--plot", "", "--json", str(path), "--drop-all-reduce", "blocks.1.mlp"]
+    argv = ["compare", "--model", "tiny", "--mesh", "tp=2", "--strategy", "tp", "--steps", "2",
+            "--backends", "jax,numpy,jax-gspmd", "--plot", "", "--json", str(path), "--drop-all-reduce", "blocks.1.mlp"]
     assert main(argv) == 1
     out = capsys.readouterr().out
-    assert "NO" in out and "jax disagrees" in out
+    assert "NO" in out and "jax disagrees" in out and "numpy disagrees" in out
     # tp's MLP output is a pending sum over tp; its all-reduce is where the residual is constrained.
     assert "first op where the runs part: op #" in out and "constrain ('batch', 'seq', 'embed') in blocks.1.mlp" in out
     assert "first collective that disagrees with its plan: all-reduce(tp)" in out
-    bis = json.loads(path.read_text())["backends"]["jax"]["bisect"]
-    assert bis["first_op"]["layer"] == "blocks.1.mlp" and bis["first_op"]["op"].startswith("constrain")
-    assert bis["first_collective"]["step"] == "all-reduce(tp)" and bis["first_collective"]["layer"] == "blocks.1.mlp"
-    assert bis["first_collective"]["rel_err"] > 0.1
+    report = json.loads(path.read_text())["backends"]
+    assert report["jax-gspmd"]["agree"]
+    for name in ("jax", "numpy"):
+        bis = report[name]["bisect"]
+        assert bis["first_op"]["layer"] == "blocks.1.mlp" and bis["first_op"]["op"].startswith("constrain")
+        assert bis["first_collective"]["step"] == "all-reduce(tp)" and bis["first_collective"]["layer"] == "blocks.1.mlp"
+        assert bis["first_collective"]["rel_err"] > 0.1
 
 
 def test_bisect_of_agreeing_runs_finds_nothing():
     """The recorders themselves: every op of both explicit modes and GSPMD equals the reference."""
     from parlay.bisection import bisect
     from parlay.core import Mesh
-    from parlay.core.model import GPT, PRESETS
+    from parlay.core.models.gpt import GPT, PRESETS
+    from parlay.core.program import make_program
 
     model = GPT(PRESETS["tiny-gqa"])
-    params = model.init(1)
-    rng = np.random.default_rng(7)
-    x, y = rng.integers(0, 256, (2, 8, 16))
-    for backend in ("jax", "jax-gspmd"):
-        report = bisect(backend, model, "fsdp+tp_sp", Mesh(dp=2, tp=2), params, x, y)
+    program = make_program(model, "fsdp+tp_sp", Mesh(dp=2, tp=2), batch=8)
+    x, y = np.random.default_rng(7).integers(0, 256, (2, 8, 16)).astype(np.int32)
+    for backend in ("jax", "numpy", "jax-gspmd"):
+        report = bisect(backend, program, {"tokens": x, "targets": y}, params=model.init(1))
         assert report.first_op is None and report.first_collective is None and report.structure is None
         assert report.ops > 60
     assert report.collectives_checked == 0  # GSPMD: XLA's collectives are not ours to tap
@@ -62,10 +67,12 @@ def test_bisect_of_agreeing_runs_finds_nothing():
 @pytest.mark.parametrize("argv, message", [
     (["compare", "--backends", "torch,mxnet"], "parlay: --backends 'torch,mxnet': mxnet is not a backend"),
     (["compare", "--mesh", "dp=16", "--strategy", "dp"], "parlay: --mesh 'dp=16' has 16 ranks; compare runs every backend"),
-    (["compare", "--model", "huge"], "parlay: --model 'huge' is unknown"),
-    (["compare", "--mesh", "dp=2", "--strategy", "tp"], "parlay: strategy 'tp' cannot run on Mesh(dp=2)"),
+    (["compare", "--model", "huge"], "parlay: model 'huge' is not a preset (tiny, tiny-gqa"),
+    (["compare", "--model", "nothere.py:m"], "parlay: model 'nothere.py:m': 'nothere.py' is not a file"),
+    (["compare", "--strategy", "dp+nothere.py:s"], "parlay: strategy 'nothere.py:s': 'nothere.py' is not a file"),
     (["compare", "--drop-all-reduce", "blocks.9"], "parlay: --drop-all-reduce 'blocks.9' is not a layer of tiny; layers are"),
-    (["compare", "--drop-all-reduce", "blocks.0.mlp"], "parlay: --drop-all-reduce plants its fault in JAX explicit mode only"),
+    (["compare", "--drop-all-reduce", "blocks.0.mlp", "--backends", "jax-gspmd"],
+     "parlay: --drop-all-reduce plants its fault in the sharded executor (torch, jax, numpy)"),
     (["compare", "--backends", "jax,jax"], "parlay: --backends 'jax,jax' names a backend twice"),
     (["compare", "--mesh", "dp=2", "--strategy", "dp", "--steps", "1", "--backends", "jax", "--plot", "",
       "--drop-all-reduce", "blocks.0.mlp"], "parlay: --drop-all-reduce blocks.0.mlp: no forward all-reduce ran in that layer"),
@@ -74,6 +81,13 @@ def test_bad_flags(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err, err
+
+
+def test_a_strategy_that_cannot_run_prints_every_reason(capsys):
+    assert main(["compare", "--mesh", "tp=3", "--strategy", "tp"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("parlay: strategy 'tp' cannot run this model on Mesh(tp=3) with batch 8:\n  - ")
+    assert err.count("\n  - ") == 4  # vocab, heads, kv_heads, mlp
 
 
 STRATEGY_MESHES = [
@@ -88,9 +102,12 @@ STRATEGY_MESHES = [
 def test_compare_agrees_for_every_strategy_on_every_backend(strategy, axes):
     from parlay.compare import run_compare
     from parlay.core import Mesh
+    from parlay.core.models.gpt import GPT, PRESETS
+    from parlay.core.program import make_program
 
-    ref, runs = run_compare("tiny-gqa", strategy, Mesh(axes), steps=2, batch=8, bisect=False)
-    assert [r.name for r in runs] == ["torch", "jax", "jax-gspmd"]
+    program = make_program(GPT(PRESETS["tiny-gqa"]), strategy, Mesh(axes), batch=8)
+    ref, runs = run_compare(program, steps=2, bisect=False)
+    assert [r.name for r in runs] == ["torch", "jax", "jax-gspmd", "numpy"]
     for r in runs:
         assert r.agree, (r.name, r.loss_diff, r.grad_diff, r.param_diff)
 
@@ -98,7 +115,7 @@ def test_compare_agrees_for_every_strategy_on_every_backend(strategy, axes):
 def test_bisect_flags_nan_and_inexact_data_moves():
     """A NaN output parts from the reference (NaN compares false with any tolerance); a gather
     must move data exactly, while a sum may differ by rounding relative to its addends."""
-    from parlay.bisection import Probe, check_step, compare_probes
+    from parlay.core.trace import Probe, check_step, compare_probes
     from parlay.core import Layout, Mesh, P, plan_redistribute, scatter
 
     ref = [Probe(0, "embed", "embed", value=np.ones(4)), Probe(1, "add", "blocks.0", value=np.ones(4))]

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from parlay.data import load_corpus, stdlib_files
+from parlay.core.text import load_corpus, stdlib_files
 
 
 def test_stdlib_corpus_batches_and_entropy():

@@ -17,9 +17,10 @@ import pytest
 import torch
 import transformers  # the `test` extra pins it; a missing install fails here, it never skips
 
-from parlay.backends.jax.ops import JaxOps
-from parlay.backends.torch.ops import TorchOps
-from parlay.core.model import GPT, PRESETS, Norm
+from parlay.backends.jax.ops import JaxLocal
+from parlay.backends.torch.ops import TorchLocal
+from parlay.core.models.gpt import GPT, PRESETS, Norm
+from parlay.core.ops import DenseOps
 from parlay.hf import from_hf, load_hf, save_hf, to_hf, to_hf_model
 
 V = 96  # not a power of two, not 256: the vocabulary is whatever the model has
@@ -56,8 +57,8 @@ def _hf_model(name: str, seed: int):
 
 def _parlay_logits(config, params, tokens):
     model = GPT(config)
-    t = model.logits(TorchOps(), {k: torch.from_numpy(v) for k, v in params.items()}, torch.as_tensor(tokens))
-    j = model.logits(JaxOps(), {k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(tokens))
+    t = model.logits(DenseOps(TorchLocal()), {k: torch.from_numpy(v) for k, v in params.items()}, torch.as_tensor(tokens))
+    j = model.logits(DenseOps(JaxLocal()), {k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(tokens))
     return t.detach().numpy(), np.asarray(j)
 
 

@@ -1,5 +1,2 @@
-"""The JAX backend: parlay layouts lowered to jax.sharding (shard_map and GSPMD execution follow)."""
-
-from .mesh import lower_layout, lower_mesh, lower_spec
-
-__all__ = ["lower_mesh", "lower_spec", "lower_layout"]
+"""The JAX backend: parlay programs on shard_map (explicit collectives) or jit with shardings
+(GSPMD). Importing this package does not start JAX; its modules do."""

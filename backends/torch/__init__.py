@@ -1,9 +1,5 @@
-"""The PyTorch backend: core plans on torch.distributed with autograd-correct collectives."""
+"""The PyTorch backend: parlay programs on torch.distributed with autograd-correct collectives."""
 
-from .collectives import CollectiveLog, run_plan, vary
-from .launch import RankFailure, spawn
-from .mesh import TorchMesh
-from .train import ShardedModel, single_loss_and_grads
+from .launch import RankFailure, init_from_env, spawn
 
-__all__ = ["TorchMesh", "CollectiveLog", "run_plan", "vary", "spawn", "RankFailure", "ShardedModel",
-           "single_loss_and_grads"]
+__all__ = ["spawn", "init_from_env", "RankFailure"]

@@ -1,10 +1,9 @@
 """Core plan steps as torch autograd functions, each with its transpose as backward.
 
-all-gather <-> reduce-scatter, all-to-all <-> the reverse all-to-all, a local slice <-> an
-all-gather (the slice of a replicated value), all-reduce <-> identity, a permute <-> the reverse
-permute. ``vary`` is the variance rule of DESIGN.md: a value replicated over axes that meets a
-value varying over them passes through ``vary``: identity forward, all-reduce backward. Data-
-parallel gradient sync and Megatron's f operator are ``vary``; Megatron's g is the all-reduce.
+all-gather <-> reduce-scatter, all-to-all <-> the reverse all-to-all, a local slice -> zero
+padding (its input varies over the sliced axes: the executor varies a shared value first),
+all-reduce -> identity, a permute <-> the reverse permute. ``vary`` is the variance rule of
+DESIGN.md: identity forward, all-reduce backward; the executor decides where it goes.
 
 Group members follow the plan's order (first axis major); torch orders a group by global rank,
 so chunks are permuted between the two where they differ.
@@ -12,42 +11,20 @@ so chunks are permuted between the two where they differ.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
 from ...core import AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, Plan, ReduceScatter, Step
+from ...core.log import CollectiveLog, Source
 from .mesh import TorchMesh
 
-__all__ = ["CollectiveLog", "run_plan", "vary", "all_reduce"]
-
-
-@dataclass
-class CollectiveLog:
-    """Every collective issued, forward and backward: (kind, axes, bytes sent by this rank)."""
-
-    entries: list = field(default_factory=list)
-
-    def record(self, kind: Kind, axes, nbytes: int, backward: bool = False, source: str = "plan") -> None:
-        """``source``: "plan" for a plan step, "op" for an op's own reduction or ``vary``."""
-        self.entries.append((kind, tuple(axes), int(nbytes), backward, source))
-
-    def counts(self, *, backward: bool | None = None, source: str | None = None) -> dict:
-        out: dict = {}
-        for kind, axes, _, bwd, src in self.entries:
-            if kind is not Kind.LOCAL_SLICE and (backward is None or bwd == backward) and source in (None, src):
-                out[(kind, axes)] = out.get((kind, axes), 0) + 1
-        return out
-
-    def bytes(self, *, backward: bool, source: str) -> int:
-        return sum(b for _, _, b, bwd, src in self.entries if bwd == backward and src == source)
+__all__ = ["run_step", "run_plan", "vary", "all_reduce", "all_max", "all_gather_many"]
 
 
 class _Ctx:
     """What a collective needs: the group, the member order, this rank's index, and the log."""
 
-    def __init__(self, tm: TorchMesh, axes, plan_mesh, log: CollectiveLog | None, source: str = "plan"):
+    def __init__(self, tm: TorchMesh, axes, plan_mesh, log: CollectiveLog | None, source: Source = Source.PLAN):
         self.axes, self.log, self.source = tuple(axes), log, source
         self.pg, self.members = tm.group(self.axes, plan_mesh)
         self.n = len(self.members)
@@ -161,13 +138,16 @@ class _Vary(torch.autograd.Function):
 class _LocalSlice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, c):
-        ctx.dim, ctx.c = dim, c
+        ctx.dim, ctx.c, ctx.shape = dim, c, x.shape
         return x.chunk(c.n, dim)[c.index].clone()
 
     @staticmethod
     def backward(ctx, g):
-        # The input was the same on every member: its gradient collects every member's piece.
-        return _gather(g, ctx.dim, ctx.c, True), None, None
+        # The input varies over the group (the executor varied it if it was shared): each rank's
+        # gradient is its own piece, zeros elsewhere; no communication.
+        out = g.new_zeros(ctx.shape)
+        out.narrow(ctx.dim, ctx.c.index * g.shape[ctx.dim], g.shape[ctx.dim]).copy_(g)
+        return out, None, None
 
 
 def _permute(x: torch.Tensor, pairs, rank: int) -> torch.Tensor:
@@ -233,12 +213,20 @@ def run_plan(plan: Plan, x: torch.Tensor, tm: TorchMesh, log: CollectiveLog | No
 
 
 def vary(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
-    return _Vary.apply(x, _Ctx(tm, tuple(axes), None, log, "op")) if axes else x
+    return _Vary.apply(x, _Ctx(tm, tuple(axes), None, log, Source.OP)) if axes else x
 
 
 def all_reduce(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
     """Sum over ``axes`` (norm statistics, the vocabulary-parallel loss); backward identity."""
-    return _AllReduce.apply(x, _Ctx(tm, tuple(axes), None, log, "op")) if axes else x
+    return _AllReduce.apply(x, _Ctx(tm, tuple(axes), None, log, Source.OP)) if axes else x
+
+
+def all_max(x: torch.Tensor, axes, tm: TorchMesh) -> torch.Tensor:
+    """The max over ``axes``, outside autograd (a shift that cancels in the loss)."""
+    out = x.detach().clone()
+    if axes:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=tm.group(tuple(axes))[0])
+    return out
 
 
 class _CoalescedAllGather(torch.autograd.Function):

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...core import Kind
-from .collectives import CollectiveLog
+from ...core import Kind, Layout, plan_redistribute
+from ...core.log import CollectiveLog, Source
+from .collectives import run_plan
 from .mesh import TorchMesh
 
 __all__ = ["GradSync", "vary_param"]
@@ -37,17 +38,14 @@ class GradSync:
         self._sizes: dict[tuple, int] = {}
         self._inflight: list = []  # (work, flat, [(param, numel)])
 
-    def reduce_to_layout(self, name: str, layout, grad: torch.Tensor, axes: tuple[str, ...]) -> None:
-        from ...core import plan_redistribute
-        from .collectives import run_plan
-
+    def reduce_to_layout(self, name: str, layout: Layout, grad: torch.Tensor, axes: tuple[str, ...]) -> None:
         plan = plan_redistribute(layout.replace(partial=axes), self.grad_layouts[name],
-                                 _global_shape(layout, grad.shape), itemsize=grad.element_size())
+                                 layout.global_shape(grad.shape), itemsize=grad.element_size())
         with torch.no_grad():
             out = run_plan(plan, grad.detach(), self.tm)
         if self.log is not None:
             for step, sent in zip(plan.steps, plan.step_bytes):
-                self.log.record(step.kind, getattr(step, "axes", ()), sent[self.tm.rank], True, "op")
+                self.log.record(step.kind, getattr(step, "axes", ()), sent[self.tm.rank], True, Source.OP)
         self.sharded[name] = out if name not in self.sharded else self.sharded[name] + out
 
     def wants_layout(self, name: str, layout) -> bool:
@@ -69,7 +67,7 @@ class GradSync:
         work = dist.all_reduce(flat, group=pg, async_op=True)
         if self.log is not None:
             n = len(members)
-            self.log.record(Kind.ALL_REDUCE, axes, 2 * (n - 1) * flat.numel() // n * flat.element_size(), True, "op")
+            self.log.record(Kind.ALL_REDUCE, axes, 2 * (n - 1) * flat.numel() // n * flat.element_size(), True, Source.OP)
         self._inflight.append((work, flat, [(p, g.numel()) for p, g in entries]))
 
     def finish(self) -> None:
@@ -87,10 +85,6 @@ class GradSync:
                     p.grad.add_(summed)
                 offset += n
         self._inflight.clear()
-
-
-def _global_shape(layout, local_shape) -> tuple[int, ...]:
-    return tuple(n * layout.shard_count(d) for d, n in enumerate(local_shape))
 
 
 class _VaryParam(torch.autograd.Function):

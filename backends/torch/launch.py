@@ -19,10 +19,12 @@ import time
 import traceback
 from typing import Any, Callable
 
+from ...core.session import RunFailure
+
 __all__ = ["spawn", "init_from_env", "RankFailure"]
 
 
-class RankFailure(RuntimeError):
+class RankFailure(RunFailure):
     """A rank raised, died or timed out."""
 
 

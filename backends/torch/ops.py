@@ -1,4 +1,5 @@
-"""The neutral ops on plain torch tensors: the single-process reference.
+"""The neutral ops' local math on torch tensors (``LocalOps``): whole tensors for one process
+(``DenseOps(TorchLocal())``), one rank's blocks in the sharded executor.
 
 The norms, attention and the loss run parlay's Triton kernels where the switch says so (by
 default: on CUDA tensors when Triton works), plain torch otherwise; see parlay.triton_kernels.
@@ -13,41 +14,26 @@ import torch
 import torch.nn.functional as F
 
 from ... import triton_kernels
-from ...core.ops import LogicalDims
 from ...triton_kernels import Kernels, should_use_triton
 
-__all__ = ["TorchOps"]
+__all__ = ["TorchLocal"]
 
 
-class TorchOps:
-    def __init__(self, *, kernels: Kernels | str | None = None):
+class TorchLocal:
+    def __init__(self, *, kernels: Kernels | str | None = None, device: torch.device | str = "cpu"):
         """``kernels``: "auto", "triton" or "torch" for the norms, attention and the loss; None
         defers to ``parlay.triton_kernels.use_kernels`` / ``$PARLAY_KERNELS`` at each call."""
         self.kernels = None if kernels is None else Kernels.parse(kernels)
+        self.device = torch.device(device)
 
     def uses_triton(self, *tensors: torch.Tensor, supported: bool = True) -> bool:
         return should_use_triton(self.kernels, *tensors, supported=supported)
 
-    def param(self, name: str, value, dims: LogicalDims):
-        return value
-
-    def constrain(self, x, dims: LogicalDims):
-        return x
-
     def constant(self, value):
-        return torch.from_numpy(np.asarray(value))
+        return torch.from_numpy(np.ascontiguousarray(value)).to(self.device)
 
-    def einsum(self, equation: str, *operands):
-        return torch.einsum(equation, *operands)
-
-    def add(self, x, y):
-        return x + y
-
-    def mul(self, x, y):
-        return x * y
-
-    def add_bias(self, x, b):
-        return x + b  # b's dims are x's trailing dims
+    def einsum(self, equation, *xs):
+        return torch.einsum(equation, *xs)
 
     def gelu(self, x):
         return F.gelu(x, approximate="tanh")
@@ -55,20 +41,58 @@ class TorchOps:
     def silu(self, x):
         return F.silu(x)
 
-    def rms_norm(self, x, scale, eps: float):
+    def relu(self, x):
+        return torch.relu(x)
+
+    def tanh(self, x):
+        return torch.tanh(x)
+
+    def softmax(self, x, dim):
+        return torch.softmax(x, dim)
+
+    def sum(self, x, dim, *, keepdim=False):
+        return x.sum(dim, keepdim=keepdim)
+
+    def max(self, x, dim, *, keepdim=False):
+        return x.detach().amax(dim, keepdim=keepdim)
+
+    def exp(self, x):
+        return torch.exp(x)
+
+    def log(self, x):
+        return torch.log(x)
+
+    def rsqrt(self, x):
+        return torch.rsqrt(x)
+
+    def rms_norm(self, x, scale, eps):
         if self.uses_triton(x, scale, supported=x.shape[-1] * x.element_size() <= 65536):
             return triton_kernels.rms_norm(x, scale, eps)
         return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps) * scale
 
-    def layer_norm(self, x, scale, bias, eps: float):
+    def layer_norm(self, x, scale, bias, eps):
         if self.uses_triton(x, scale, bias, supported=x.shape[-1] * x.element_size() <= 65536):
             return triton_kernels.layer_norm(x, scale, bias, eps)
         mean = x.mean(-1, keepdim=True)
         var = ((x - mean) ** 2).mean(-1, keepdim=True)
         return (x - mean) * torch.rsqrt(var + eps) * scale + bias
 
-    def embed(self, table, tokens):
-        return table[tokens]
+    def take(self, table, ids):
+        return table[ids.long()]
+
+    def take_last(self, x, ids):
+        return torch.gather(x, -1, ids.long()[..., None])[..., 0]
+
+    def where(self, mask, x, y):
+        return torch.where(mask, x, y)
+
+    def cast(self, x, like):
+        return torch.as_tensor(x, device=like.device).to(like.dtype)
+
+    def iota(self, shape, dim):
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        return torch.arange(shape[dim], dtype=torch.int32, device=self.device).reshape(view)
 
     def rotary(self, x, cos, sin):
         half = x.shape[-1] // 2
@@ -76,7 +100,7 @@ class TorchOps:
         c, s = cos[None, :, None, :], sin[None, :, None, :]
         return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
 
-    def attention(self, q, k, v, *, causal: bool = True):
+    def attention(self, q, k, v, *, causal=True):
         if self.uses_triton(q, k, v, supported=q.shape[-1] <= 256):
             # The kernel takes (B, H, S, D): transposed views, no copies.
             out = triton_kernels.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
@@ -91,7 +115,27 @@ class TorchOps:
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
 
+    def rearrange(self, x, pattern, sizes):
+        import einops
+
+        return einops.rearrange(x, pattern, **sizes)
+
+    def vocab_cross_entropy(self, logits, ids, hit, combine):
+        if self.uses_triton(logits) and logits.ndim == 3:
+            def stats(m, se, picked):  # the kernel hands over (B, S) statistics
+                return combine(m, se, picked)
+
+            # The kernel's first vocab column is where ids (already local) count from: zero here,
+            # hits decided by the executor (ids outside the shard were set to 0 and masked).
+            return triton_kernels.vocab_parallel_cross_entropy(logits, torch.where(hit, ids, -1), vocab_start=0,
+                                                               combine=stats)
+        m = self.max(logits, -1)  # (...): a shift, no gradient
+        se = torch.exp(logits - m[..., None]).sum(-1)
+        picked = self.take_last(logits, ids) * hit.to(logits.dtype)
+        m, se, picked = combine(m, se, picked)
+        return torch.log(se) + m - picked
+
     def cross_entropy(self, logits, targets):
-        if self.uses_triton(logits):
+        if self.uses_triton(logits) and logits.ndim == 3:
             return triton_kernels.cross_entropy(logits, targets)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long())

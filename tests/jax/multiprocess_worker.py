@@ -15,20 +15,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from parlay import Mesh  # noqa: E402
-from parlay.backends.jax.train import TrainStep  # noqa: E402
-from parlay.core.model import GPT, PRESETS  # noqa: E402
+from parlay.backends.jax.session import JaxSession  # noqa: E402
+from parlay.core.models.gpt import GPT, PRESETS  # noqa: E402
+from parlay.core.program import make_program  # noqa: E402
 
 model = GPT(PRESETS["tiny-gqa"])
-params = model.init(seed=0)
-tokens = np.random.default_rng(0).integers(0, model.config.vocab, (8, model.config.seq + 1))
-x, y = tokens[:, :-1], tokens[:, 1:]
+program = make_program(model, sys.argv[1], Mesh(dp=2, tp=2), batch=8)
+tokens = np.random.default_rng(0).integers(0, model.config.vocab, (8, model.config.seq + 1)).astype(np.int32)
+batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 out = {"devices": jax.device_count(), "local": jax.local_device_count()}
 for mode in ("gspmd", "explicit"):
-    step = TrainStep(model, strategy=sys.argv[1], mesh=Mesh(dp=2, tp=2), mode=mode)
-    state, losses = step.init(params), []
-    for _ in range(3):
-        state, loss = step(state, x, y)
-        losses.append(float(distributed.fetch(loss)))
-    out[mode] = losses
+    session = JaxSession(program, mode, model.init(0))
+    out[mode] = [session.step(batch) for _ in range(3)]
 if jax.process_index() == 0:
     print(json.dumps(out))

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from layout_strategies import layouts, meshes
 from parlay import Layout, Mesh, P
-from parlay.backends.jax import lower_layout, lower_mesh
+from parlay.backends.jax.mesh import lower_layout, lower_mesh
 
 
 def _norm(slices, shape):

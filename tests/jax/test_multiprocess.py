@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from parlay import Mesh
-from parlay.backends.jax.train import TrainStep
-from parlay.core.model import GPT, PRESETS
+from parlay.backends.jax.session import JaxSession
+from parlay.core.models.gpt import GPT, PRESETS
+from parlay.core.program import make_program
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 STRATEGY = "dp+tp"
@@ -47,14 +48,11 @@ def test_two_processes_equal_one():
     assert (result["devices"], result["local"]) == (4, 2)
 
     model = GPT(PRESETS["tiny-gqa"])
-    params = model.init(seed=0)
-    tokens = np.random.default_rng(0).integers(0, model.config.vocab, (8, model.config.seq + 1))
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    program = make_program(model, STRATEGY, Mesh(dp=2, tp=2), batch=8)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab, (8, model.config.seq + 1)).astype(np.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
     for mode in ("gspmd", "explicit"):
-        step = TrainStep(model, strategy=STRATEGY, mesh=Mesh(dp=2, tp=2), mode=mode)
-        state, losses = step.init(params), []
-        for _ in range(3):
-            state, loss = step(state, x, y)
-            losses.append(float(loss))
+        session = JaxSession(program, mode, model.init(0))
+        losses = [session.step(batch) for _ in range(3)]
         # Same program, same devices count, same reduction groups: equal to fp32 rounding.
         np.testing.assert_allclose(result[mode], losses, rtol=1e-6, err_msg=mode)

@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parlay import Mesh
 from parlay.backends.torch.launch import init_from_env
-from parlay.backends.torch.train import single_loss_and_grads
-from parlay.core.model import GPT, PRESETS
+from parlay.core.models.gpt import GPT, PRESETS
+from parlay.core.program import make_program
+from parlay.core.session import get_backend
 
 
 def test_torchrun_two_ranks_equal_one_process():
@@ -20,8 +22,9 @@ def test_torchrun_two_ranks_equal_one_process():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     model = GPT(PRESETS["tiny-gqa"])
-    tokens = np.random.default_rng(0).integers(0, 256, (8, 17))
-    loss, _ = single_loss_and_grads(model, model.init(0), tokens[:, :-1], tokens[:, 1:])
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    loss = get_backend("torch-single").run(make_program(model, "dp", Mesh(dp=1), batch=8), lambda s: s.eval_loss(batch))
     assert result["world"] == 2 and result["device"] == "cpu"
     assert abs(result["loss"] - loss) <= 1e-5 * loss
 

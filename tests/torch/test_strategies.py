@@ -7,11 +7,19 @@ of its largest element (measured: at most 1e-6).
 import numpy as np
 import pytest
 
+from parlay import Mesh
 from parlay.backends.torch.launch import RankFailure, spawn
-from parlay.backends.torch.train import single_loss_and_grads
-from parlay.core.model import GPT, PRESETS
+from parlay.core.models.gpt import GPT, PRESETS
+from parlay.core.program import make_program
+from parlay.core.session import get_backend
 
 import workers
+
+
+def single_loss_and_grads(model, params, batch):
+    """The single-process torch reference."""
+    program = make_program(model, "dp", Mesh(dp=1), batch=8)
+    return get_backend("torch-single").run(program, lambda s: s.loss_and_grads(batch), params=params)
 
 CASES_4 = [
     ("dp", [("dp", 4)]), ("zero1", [("dp", 4)]), ("zero2", [("dp", 4)]), ("fsdp", [("dp", 4)]),
@@ -24,9 +32,7 @@ CASES_8 = [("dp+tp+ulysses", [("dp", 2), ("tp", 2), ("sp", 2)]), ("fsdp+tp_sp", 
 @pytest.fixture(scope="module")
 def reference():
     model = GPT(PRESETS["tiny-gqa"])
-    params = model.init(0)
-    x, y = workers.batch(model.config)
-    return single_loss_and_grads(model, params, x, y)
+    return single_loss_and_grads(model, model.init(0), workers.batch(model.config))
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +95,7 @@ def test_hf_gpt2_preset_every_strategy():
 
     model = GPT(PRESETS["tiny-gpt2-hf"])
     params = params_for(model)
-    x, y = workers.batch(model.config)
-    loss0, grads0 = single_loss_and_grads(model, params, x, y)
+    loss0, grads0 = single_loss_and_grads(model, params, workers.batch(model.config))
     settings = [(None, False), (64 * 1024, True)]
     results = spawn(workers.all_strategies, 4, "tiny-gpt2-hf", CASES_4, settings, timeout_s=300)
     assert len(results[0]) == len(CASES_4) * len(settings)
@@ -107,13 +112,10 @@ def test_hf_gpt2_preset_every_strategy():
 
 def test_torch_equals_jax(reference):
     """The same weights and batch give the same loss and gradients on torch and on JAX."""
-    from parlay.backends.jax.train import Mode, TrainStep
-
     model = GPT(PRESETS["tiny-gqa"])
-    params = model.init(0)
-    x, y = workers.batch(model.config)
-    step = TrainStep(model, mode=Mode.SINGLE)
-    loss, grads = step.loss_and_grads(step.init(params), x, y)
+    program = make_program(model, "dp", Mesh(dp=1), batch=8)
+    batch = workers.batch(model.config)
+    loss, grads = get_backend("jax-single").run(program, lambda s: s.loss_and_grads(batch))
     assert abs(loss - reference[0]) <= 1e-5 * abs(loss)
     for name, g in grads.items():
         np.testing.assert_allclose(reference[1][name], g, rtol=0, atol=1e-5 * np.abs(g).max(), err_msg=name)
@@ -142,15 +144,13 @@ def test_collectives_fall_out_of_the_layouts(runs):
 
 def test_five_adamw_steps_track_one_process():
     """Losses to 1e-5 relative; parameters per tensor within 2e-3 of the distance they moved
-    (the element-wise Adam eps effect is explained in tests/jax/test_train.py; measured 2.6e-4)."""
-    from parlay.backends.torch.train import ReferenceTrainer
-
+    (the element-wise Adam eps effect is explained in tests/jax/test_sessions.py; measured 2.6e-4)."""
     model = GPT(PRESETS["tiny-gqa"])
     params = model.init(0)
-    x, y = workers.batch(model.config)
-    ref = ReferenceTrainer(model, params)
-    losses0 = [ref.step(x, y) for _ in range(5)]
-    final0 = {k: v.detach().numpy() for k, v in ref.params.items()}
+    batch = workers.batch(model.config)
+    program = make_program(model, "dp", Mesh(dp=1), batch=8)
+    losses0, final0 = get_backend("torch-single").run(
+        program, lambda s: ([s.step(batch) for _ in range(5)], s.params()), params=params)
     results = spawn(workers.train_steps, 4, "tiny-gqa", CASES_4, 5, timeout_s=300)
     for strategy, (losses, final, shards) in results[0].items():
         np.testing.assert_allclose(losses, losses0, rtol=1e-5, err_msg=strategy)
@@ -181,12 +181,13 @@ def test_a_dead_rank_fails_the_others_within_the_timeout():
 
 def test_bisect_names_a_dropped_all_reduce_on_torch():
     """The torch recording: every plan step checked against the simulator on gathered blocks."""
-    from parlay.bisection import compare_probes, reference_probes
+    from parlay.core.trace import compare_probes
 
     model = GPT(PRESETS["tiny"])
-    x, y = workers.batch(model.config, seed=3)
-    probes = spawn(workers.planted_bisect, 4, "blocks.0.attn", x, y, timeout_s=300)[0]
-    report = compare_probes("torch", reference_probes(model, model.init(0), x, y), probes)
+    batch = workers.batch(model.config, seed=3)
+    probes = spawn(workers.planted_bisect, 4, "blocks.0.attn", batch, timeout_s=300)[0]
+    reference = get_backend("jax-single").run(make_program(model, "dp", Mesh(dp=1), batch=8), lambda s: s.trace(batch))
+    report = compare_probes("torch", reference, probes)
     assert report.first_op.scope == "blocks.0.attn" and report.first_op.op == "constrain ('batch', 'seq', 'embed')"
     probe, step = report.first_collective
     assert probe is report.first_op and step.step == "all-reduce(tp)" and step.rel_err > 0.1

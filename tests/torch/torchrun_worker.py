@@ -8,16 +8,17 @@ import torch.distributed as dist
 
 from parlay import Mesh
 from parlay.backends.torch.launch import init_from_env
-from parlay.backends.torch.train import ShardedModel
-from parlay.core.model import GPT, PRESETS
+from parlay.backends.torch.session import TorchSession
+from parlay.core.models.gpt import GPT, PRESETS
+from parlay.core.program import make_program
 
 device = init_from_env(timeout_s=60)
 model = GPT(PRESETS["tiny-gqa"])
-tokens = np.random.default_rng(0).integers(0, 256, (8, 17))
-sm = ShardedModel(model, "dp", Mesh(dp=dist.get_world_size()), batch=8)
-loss = sm.loss(sm.shard(model.init(0)), tokens[:, :-1], tokens[:, 1:])
+tokens = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
+session = TorchSession(make_program(model, "dp", Mesh(dp=dist.get_world_size()), batch=8), model.init(0))
+loss = session.eval_loss({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]})
 if dist.get_rank() == 0:
-    print(json.dumps({"device": device, "world": dist.get_world_size(), "loss": float(loss.detach())}), flush=True)
+    print(json.dumps({"device": device, "world": dist.get_world_size(), "loss": loss}), flush=True)
 dist.barrier()  # let every rank finish before gloo tears down
 dist.destroy_process_group()
 # Seen once in ~30 runs: gloo aborts during interpreter shutdown ("terminate called without an

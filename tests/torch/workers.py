@@ -8,14 +8,16 @@ import torch
 import torch.distributed as dist
 
 from parlay import Mesh
-from parlay.backends.torch.train import ShardedModel
-from parlay.core.model import GPT, PRESETS
+from parlay.backends.torch.session import TorchSession
+from parlay.core.executor import Fault, Hooks
+from parlay.core.models.gpt import GPT, PRESETS
+from parlay.core.program import make_program
 from sharded_case import run_case
 
 
 def batch(config, seed=0, n=8):
-    tokens = np.random.default_rng(seed).integers(0, config.vocab, (n, config.seq + 1))
-    return tokens[:, :-1], tokens[:, 1:]
+    tokens = np.random.default_rng(seed).integers(0, config.vocab, (n, config.seq + 1)).astype(np.int32)
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def _key(strategy, axes) -> str:
@@ -25,9 +27,9 @@ def _key(strategy, axes) -> str:
 def loss_and_grads(rank, preset, cases, bucket_bytes=None, coalesce=False):
     """For each (strategy, mesh axes): loss, global grads, forward and backward collective counts."""
     model = GPT(PRESETS[preset])
-    params = model.init(0)
-    x, y = batch(model.config)
-    return {_key(strategy, axes): run_case(rank, model, params, x, y, strategy, axes, bucket_bytes=bucket_bytes, coalesce=coalesce)
+    params, b = model.init(0), batch(model.config)
+    return {_key(strategy, axes): run_case(rank, model, params, b, strategy, axes, bucket_bytes=bucket_bytes,
+                                           coalesce=coalesce)
             for strategy, axes in cases}
 
 
@@ -37,10 +39,9 @@ def all_strategies(rank, preset, cases, settings):
     from model_params import params_for
 
     model = GPT(PRESETS[preset])
-    params = params_for(model)
-    x, y = batch(model.config)
+    params, b = params_for(model), batch(model.config)
     return {f"{_key(strategy, axes)}/{bucket_bytes},{coalesce}":
-            run_case(rank, model, params, x, y, strategy, axes, bucket_bytes=bucket_bytes, coalesce=coalesce)
+            run_case(rank, model, params, b, strategy, axes, bucket_bytes=bucket_bytes, coalesce=coalesce)
             for bucket_bytes, coalesce in settings for strategy, axes in cases}
 
 
@@ -56,20 +57,17 @@ def die_mid_step(rank, dead_rank):
 
 def train_steps(rank, preset, cases, steps):
     """Losses of `steps` AdamW steps and the final global parameters, per strategy."""
-    from parlay.backends.torch.train import ShardedTrainer
-
     model = GPT(PRESETS[preset])
-    params = model.init(0)
-    x, y = batch(model.config)
+    params, b = model.init(0), batch(model.config)
     out = {}
     for strategy, axes in cases:
-        trainer = ShardedTrainer(ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x)), params)
-        losses = [trainer.step(x, y) for _ in range(steps)]
-        final = trainer.gather_params()
-        shards = {k: tuple(m.shape) for k, m in trainer.master.items()}
-        names = [n for n, _ in trainer.module.named_parameters()]
+        session = TorchSession(make_program(model, strategy, Mesh(dict(axes)), batch=8), params)
+        losses = [session.step(b) for _ in range(steps)]
+        final = session.params()
+        shards = {k: tuple(m.shape) for k, m in session.master.items()}
+        names = [n for n, _ in session.module.named_parameters()]
         assert names == list(model.param_shapes()), names[:3]
-        assert all(isinstance(p, torch.nn.Parameter) for p in trainer.module.parameters())
+        assert all(isinstance(p, torch.nn.Parameter) for p in session.module.parameters())
         out[strategy] = (losses, final if rank == 0 else None, shards)
     return out
 
@@ -115,28 +113,28 @@ def plan_bytes_vs_wrapper(rank, cases):
     from parlay.core import Kind
 
     model = GPT(PRESETS["tiny-gqa"])
-    params = model.init(0)
-    x, y = batch(model.config)
+    params, b = model.init(0), batch(model.config)
     out = {}
     for strategy, axes in cases:
-        sm = ShardedModel(model, strategy, Mesh(dict(axes)), batch=len(x), coalesce=False)
-        sm.loss(sm.shard(params), x, y)
+        session = TorchSession(make_program(model, strategy, Mesh(dict(axes)), batch=8), params, coalesce=False)
+        plans: list = []
+        session.hooks = Hooks(plans=plans)
+        session.log.clear()
+        session.loss(b)
         planned, counts = 0, {}
-        for plan in sm.last_ops.plans:
+        for plan in plans:
             for step, sent in zip(plan.steps, plan.step_bytes):
                 planned += sent[rank]
                 if step.kind is not Kind.LOCAL_SLICE:
                     key = (step.kind, getattr(step, "axes", ()))
                     counts[key] = counts.get(key, 0) + 1
-        out[strategy] = (planned, sm.log.bytes(backward=False, source="plan"), counts,
-                         sm.log.counts(backward=False, source="plan"))
+        out[strategy] = (planned, session.log.bytes(backward=False, source="plan"), counts,
+                         session.log.counts(backward=False, source="plan"))
     return out
 
 
-def planted_bisect(rank, layer, tokens, targets):
-    """The bisect's torch recording with one layer's forward all-reduces dropped (a planted bug)."""
-    from parlay import bisection
-    from parlay.compare import drop_all_reduce
-
-    with drop_all_reduce(layer, "torch"):
-        return bisection.torch_probe_worker(rank, "tiny", "dp+tp", {"dp": 2, "tp": 2}, tokens, targets, 0)
+def planted_bisect(rank, layer, b):
+    """The torch recording with one layer's forward all-reduces dropped (a planted bug)."""
+    model = GPT(PRESETS["tiny"])
+    program = make_program(model, "dp+tp", Mesh(dp=2, tp=2), batch=8).replace(fault=Fault("drop-all-reduce", layer))
+    return TorchSession(program, model.init(0)).trace(b)

@@ -1,7 +1,7 @@
 """The torch backend with the Triton kernels forced (interpreter) equals its plain torch ops.
 
-Single process: TorchOps on the tiny GPTs (RMSNorm, GQA attention, SwiGLU; and LayerNorm, MHA,
-GELU). On two gloo ranks: ExplicitOps under Megatron tp (the vocab-parallel loss over tp, fused
+Single process: TorchLocal on the tiny GPTs (RMSNorm, GQA attention, SwiGLU; and LayerNorm, MHA,
+GELU). On two gloo ranks: the sharded executor under Megatron tp (the vocab-parallel loss over tp, fused
 norms on whole rows, GQA heads split over tp), dp (norm weight gradients summed over dp), and
 tp2d with embed split over an axis (the norms' sharded-row path stays on torch collectives). Each
 run counts the kernels it launched, so a silent fallback to torch fails the test, and the
@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from parlay.backends.torch.launch import spawn
-from parlay.backends.torch.ops import TorchOps
-from parlay.backends.torch.train import single_loss_and_grads
+from parlay.backends.torch.ops import TorchLocal
 from parlay.triton_kernels import use_kernels
 
-from kernel_workers import count_launches, gpt_inputs, sharded_loss_and_grads
+from kernel_workers import count_launches, gpt_inputs, sharded_loss_and_grads, single_loss_and_grads
 
 
 def _close(loss, grads, ref_loss, ref_grads):
@@ -34,11 +33,11 @@ def _close(loss, grads, ref_loss, ref_grads):
 
 @pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-gpt2"])
 def test_tiny_gpt_with_the_kernels_forced_equals_the_torch_ops(preset):
-    model, params, x, y = gpt_inputs(preset)
+    model, params, batch = gpt_inputs(preset)
     with use_kernels("torch"), count_launches() as none:
-        ref_loss, ref_grads = single_loss_and_grads(model, params, x, y)
+        ref_loss, ref_grads = single_loss_and_grads(model, params, batch)
     with use_kernels("triton"), count_launches() as launches:
-        loss, grads = single_loss_and_grads(model, params, x, y)
+        loss, grads = single_loss_and_grads(model, params, batch)
     assert not none
     layers = model.config.layers  # per layer two norms and one attention; then the final norm and the loss
     assert launches["_norm_fwd"] == launches["_norm_bwd"] == 2 * layers + 1, launches
@@ -50,10 +49,10 @@ def test_tiny_gpt_with_the_kernels_forced_equals_the_torch_ops(preset):
 def test_the_explicit_choice_on_the_ops_wins_over_the_context():
     x, w = torch.randn(3, 8), torch.ones(8)
     with use_kernels("triton"), count_launches() as launches:
-        TorchOps(kernels="torch").rms_norm(x, w, 1e-5)
+        TorchLocal(kernels="torch").rms_norm(x, w, 1e-5)
     assert not launches
     with use_kernels("torch"), count_launches() as launches:
-        TorchOps(kernels="triton").rms_norm(x, w, 1e-5)
+        TorchLocal(kernels="triton").rms_norm(x, w, 1e-5)
     assert launches["_norm_fwd"] == 1
 
 
@@ -61,9 +60,9 @@ CASES = [("tp", [("tp", 2)]), ("dp", [("dp", 2)]), ("tp2d", [("row", 2), ("col",
 
 
 def test_sharded_runs_with_the_kernels_forced_equal_the_torch_ops_and_one_process():
-    model, params, x, y = gpt_inputs("tiny-gqa")
+    model, params, batch = gpt_inputs("tiny-gqa")
     with use_kernels("torch"):
-        ref_loss, ref_grads = single_loss_and_grads(model, params, x, y)
+        ref_loss, ref_grads = single_loss_and_grads(model, params, batch)
     ranks = spawn(sharded_loss_and_grads, 2, "tiny-gqa", CASES, timeout_s=300)
     layers = model.config.layers
     for strategy, _ in CASES:
@@ -86,7 +85,7 @@ def test_the_trainers_adamw_step_runs_the_fused_kernel_on_the_optimizers_state()
     """The trainers' update (``_adamw_step``) with the kernels forced: the same gradients, the
     warmup-cosine schedule, the optimizer's own state (what checkpoints save): equal to
     torch.optim.AdamW to fp32 rounding over 4 steps."""
-    from parlay.backends.torch.train import _adamw, _adamw_step
+    from parlay.backends.torch.session import _adamw, _adamw_step
     from parlay.core.optim import OptimizerConfig
 
     cfg = OptimizerConfig(lr=1e-2, warmup=2, decay_steps=4)
@@ -115,18 +114,20 @@ def test_the_trainers_adamw_step_runs_the_fused_kernel_on_the_optimizers_state()
 
 
 def test_training_steps_with_every_kernel_forced_follow_torch():
-    """ReferenceTrainer, 3 steps, kernels forced for the norms, attention, the loss and AdamW.
+    """The single-process session, 3 steps, kernels forced for the norms, attention, the loss and AdamW.
     Per tensor as parlay compare measures it: the parameters' difference over how far torch moved
     them (elements near Adam's eps amplify fp32 gradient differences; 2e-3 as compare's)."""
-    from parlay.backends.torch.train import ReferenceTrainer
+    from parlay import Mesh
+    from parlay.backends.torch.session import TorchSingleSession
+    from parlay.core.program import make_program
 
-    model, params, x, y = gpt_inputs("tiny-gqa")
+    model, params, batch = gpt_inputs("tiny-gqa")
     runs = {}
     for kernels in ("torch", "triton"):
-        trainer = ReferenceTrainer(model, params)
+        session = TorchSingleSession(make_program(model, "dp", Mesh(dp=1), batch=2), params)
         with use_kernels(kernels):
-            losses = [trainer.step(x, y) for _ in range(3)]
-        runs[kernels] = (losses, {k: v.detach().numpy() for k, v in trainer.params.items()})
+            losses = [session.step(batch) for _ in range(3)]
+        runs[kernels] = (losses, session.params())
     np.testing.assert_allclose(runs["triton"][0], runs["torch"][0], rtol=1e-5)
     for k, p0 in params.items():
         moved = np.linalg.norm(runs["torch"][1][k] - p0)

@@ -2,6 +2,7 @@
 
 Tokens are bytes (vocabulary 256). The corpus is the files' bytes in sorted path order, split
 into a training part and a held-out tail; batches are random windows drawn from a seeded stream.
+``TextData`` is the GPT's ``Dataset``: step t's batch is a function of (seed, t) alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Corpus", "stdlib_files", "load_corpus"]
+__all__ = ["Corpus", "stdlib_files", "load_corpus", "TextData"]
 
 
 def stdlib_files() -> list[Path]:
@@ -73,3 +74,36 @@ def load_corpus(files: Sequence[str | Path] | None = None, *, max_bytes: int = 1
         raise ValueError(f"the corpus has {len(data)} bytes; give at least 1 KiB of text.")
     cut = int(len(data) * (1 - held_out))
     return Corpus(data[:cut], data[cut:], "the Python standard library" if not files else f"{len(paths)} file(s)")
+
+
+class TextData:
+    """The GPT's ``Dataset``: windows of ``seq + 1`` bytes of the standard library (or ``files``),
+    as ``{"tokens": (B, S), "targets": (B, S)}`` int32, targets shifted by one. The corpus is
+    read on first use."""
+
+    def __init__(self, seq: int, files: Sequence[str | Path] = (), *, max_bytes: int = 16 * 2**20):
+        self.seq, self.files, self.max_bytes = seq, tuple(str(f) for f in files), max_bytes
+        self._corpus: Corpus | None = None
+
+    @property
+    def corpus(self) -> Corpus:
+        if self._corpus is None:
+            self._corpus = load_corpus(list(self.files) or None, max_bytes=self.max_bytes)
+        return self._corpus
+
+    @property
+    def source(self) -> str:
+        return self.corpus.source
+
+    def batch_at(self, step: int, batch: int, *, seed: int, split=None) -> dict[str, np.ndarray]:
+        held_out = split is not None and getattr(split, "value", split) == "held_out"
+        x, y = self.corpus.batch_at(step, batch, self.seq, seed=seed, split="held_out" if held_out else "train")
+        return {"tokens": x, "targets": y}
+
+    def describe(self) -> str:
+        c = self.corpus
+        return f"{c.source} ({len(c.train):,} train / {len(c.held_out):,} held-out bytes)"
+
+    def baseline(self) -> tuple[str, float]:
+        """What predicting without context gives: the held-out bytes' unigram entropy (nats/byte)."""
+        return "unigram entropy", self.corpus.unigram_entropy()

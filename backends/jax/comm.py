@@ -1,0 +1,75 @@
+"""The executor's ``Comm`` inside ``shard_map``: plan steps on ``lax`` collectives over the prime
+atoms of the mesh, ``vary`` as ``lax.pcast(..., to="varying")``.
+
+JAX tracks which values vary over which axes itself (shard_map's varying manual axes), and that
+is what its transposes follow. ``check`` holds the executor's bookkeeping to it: a value JAX says
+varies over an axis must vary there in the executor's account too, or the torch and numpy
+backends, which follow the account, would transpose it wrongly.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from ...core.executor import Sharded
+from ...core.log import CollectiveLog
+from ...core.steps import Step, collective_bytes
+from .collectives import run_step
+from .mesh import AtomMesh
+from .ops import JaxLocal
+
+__all__ = ["JaxComm", "VarianceMismatch"]
+
+
+class VarianceMismatch(AssertionError):
+    """JAX says a value varies over an axis the executor calls invariant."""
+
+
+def _vma(x) -> frozenset:
+    """The mesh axes JAX says ``x`` varies over (``aval.vma`` in older JAX, ``manual_axis_type``'s
+    ``varying`` now)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+    return frozenset(vma)
+
+
+class JaxComm:
+    def __init__(self, atoms: AtomMesh, log: CollectiveLog | None = None):
+        self.atoms, self.mesh, self.log = atoms, atoms.mesh, log
+        self.local = JaxLocal()
+
+    def run_step(self, step: Step, x, plan_mesh):
+        out = run_step(step, x, self.atoms.names(getattr(step, "axes", ()), plan_mesh), self.atoms.atom_names)
+        if self.log is not None:  # at trace time: what one device sends (the busiest, for a permute)
+            axes = getattr(step, "axes", ())
+            n = plan_mesh.group_size(axes) if axes else 2
+            self.log.record(step.kind, axes, collective_bytes(step.kind, n, x.size, x.dtype.itemsize))
+        return out
+
+    def vary(self, x, axes, *, param=None):
+        names = tuple(n for n in self.atoms.names(axes) if n not in _vma(x))
+        return lax.pcast(x, names, to="varying") if names else x
+
+    def psum(self, x, axes):
+        return lax.psum(x, self.atoms.names(axes))
+
+    def pmax(self, x, axes):
+        return lax.stop_gradient(lax.pmax(lax.stop_gradient(x), self.atoms.names(axes)))
+
+    def axis_index(self, axes):
+        return lax.axis_index(self.atoms.names(axes))
+
+    def all_gather_many(self, xs, dims, axes):
+        names = self.atoms.names(axes)
+        return [lax.all_gather(x, names, axis=d, tiled=True) for x, d in zip(xs, dims)]
+
+    def check(self, x: Sharded) -> None:
+        ours = set(self.atoms.names(x.varying))
+        extra = sorted(_vma(x.local) - ours)
+        if extra:
+            raise VarianceMismatch(f"JAX says a value of layout {x.layout} and shape {x.shape} varies over {extra}, but "
+                                   f"the executor's account says it varies over {sorted(x.varying)} only; the "
+                                   f"variance rule in core/executor.py missed a step.")

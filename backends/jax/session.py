@@ -1,0 +1,346 @@
+"""The JAX backend's ``Session``: one process, N devices, in one of three modes.
+
+- *single*: one device, no sharding (the reference);
+- *gspmd*: ``jit`` on global arrays; parameters, gradients and optimizer states get the program's
+  layouts as ``NamedSharding``s, activations ``with_sharding_constraint`` at the constraint
+  points, and XLA chooses the collectives;
+- *explicit*: the whole forward inside ``shard_map`` on the core executor (``JaxComm``): every
+  redistribution is a core plan on ``lax`` collectives; JAX differentiates it.
+
+The optimizer (optax: global-norm clipping, AdamW, the schedule of ``OptimizerConfig``) runs under
+``jit`` on the global arrays in every mode.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from ...core import Layout
+from ...core.log import CollectiveLog
+from ...core.ops import DenseOps, DropoutKey
+from ...core.optim import OptimizerConfig
+from ...core.pieces import Piece, box, piece_key, rank_file
+from ...core.program import Program
+from ...core.session import check_batch, input_values, make_executor, scalar_loss, sharded_params
+from ...core.strategies import Role
+from ...core.trace import Recorder, assemble, check_step
+from .comm import JaxComm
+from .distributed import fetch, put
+from .env import use_host_devices
+from .mesh import AtomMesh, lower_layout, lower_mesh
+from .ops import JaxLocal
+
+__all__ = ["Mode", "JaxBackend", "JaxSession", "make_optimizer", "MAX_DEVICES"]
+
+MAX_DEVICES = 64  # fake CPU devices this machine runs in reasonable time
+
+
+class Mode(enum.Enum):
+    SINGLE = "single"
+    GSPMD = "gspmd"
+    EXPLICIT = "explicit"
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    lr = cfg.lr if cfg.constant else (lambda count: cfg.lr_at(count, jnp))  # count: updates done so far
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip),
+        optax.adamw(lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+    )
+
+
+class JaxBackend:
+    def __init__(self, name: str = "jax", mode: str = "explicit"):
+        self.name, self.mode = name, Mode(mode)
+
+    def prepare(self, mesh) -> None:
+        n = 1 if self.mode is Mode.SINGLE else mesh.size
+        if n > MAX_DEVICES:
+            raise ValueError(f"{mesh} has {n} ranks; JAX runs at most {MAX_DEVICES} host devices here.")
+        use_host_devices(max(n, 8))
+
+    def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
+            timeout_s: float = 600.0):
+        self.prepare(program.mesh)
+        session = JaxSession(program, self.mode, program.init(seed) if params is None else params, seed=seed,
+                             emit=on_event)
+        return fn(session, *args)
+
+
+class JaxSession:
+    rank, lead = 0, True
+
+    def __init__(self, program: Program, mode: Mode | str, params: Mapping[str, np.ndarray], *, seed: int = 0,
+                 emit: Callable | None = None, devices=None):
+        self.program, self.mode, self.seed, self._emit = program, Mode(mode), seed, emit
+        self.log = CollectiveLog()  # explicit mode: the plan steps the traced step executed
+        self.tx = make_optimizer(program.optimizer)
+        if self.mode is Mode.SINGLE:
+            self.device = (devices or jax.devices())[0]
+        elif self.mode is Mode.EXPLICIT:
+            self.atoms = AtomMesh(program.mesh)
+            self.jax_mesh = self.atoms.jax_mesh(devices)
+        else:
+            self.jax_mesh = lower_mesh(program.mesh, devices, axis_type=AxisType.Auto)
+        self._step = jax.jit(self._train_step, donate_argnums=0)
+        self._grads = jax.jit(self._loss_and_grads, static_argnames="training")
+        self._eval = jax.jit(functools.partial(self._loss, training=False))
+        self.count = 0
+        self.state = self.init(params)
+
+    # -- placement -------------------------------------------------------------------------------------
+    def _sharding(self, layout: Layout) -> NamedSharding:
+        if self.mode is Mode.EXPLICIT:
+            return NamedSharding(self.jax_mesh, self.atoms.spec(layout))
+        return lower_layout(layout, self.jax_mesh)
+
+    def _place(self, tree: Mapping[str, Any], role: Role):
+        if self.mode is Mode.SINGLE:
+            return {k: jax.device_put(np.asarray(v), self.device) for k, v in tree.items()}
+        return {k: put(v, self._sharding(self.program.layouts[role][k])) for k, v in tree.items()}
+
+    def _place_batch(self, batch):
+        return self._place(check_batch(self.program, batch), Role.ACTIVATIONS)
+
+    # -- the loss in each mode -------------------------------------------------------------------------
+    def _dense_ops(self, training: bool, step) -> DenseOps:
+        rng = DropoutKey(self.seed, step)
+        if self.mode is Mode.SINGLE:
+            return DenseOps(JaxLocal(), training=training, rng=rng)
+        p = self.program
+        wsc = jax.lax.with_sharding_constraint
+        constrain = lambda x, dims: wsc(x, self._sharding(p.activation(dims, x.shape)))
+        param = lambda name, x, dims: wsc(x, self._sharding(p.compute(name, dims, x.shape)))
+        return DenseOps(JaxLocal(), constrain=constrain, param=param, training=training, rng=rng)
+
+    def _loss(self, params, batch, step=0, training: bool = True, wrap_ops=None):
+        if self.mode is Mode.EXPLICIT:
+            return self._explicit_loss(params, batch, step, training, wrap_ops)
+        ops = self._dense_ops(training, step)
+        return self.program.model.loss(wrap_ops(ops) if wrap_ops else ops, params, batch)
+
+    def _explicit_loss(self, params, batch, step, training, wrap_ops=None):
+        """The whole forward in shard_map; every redistribution is a core plan on lax collectives.
+        ``wrap_ops(ops)``, if given, wraps the executor (the bisect records every op through it)."""
+        p, atoms = self.program, self.atoms
+
+        def local(params, batch, step):
+            comm = JaxComm(atoms, self.log)
+            sp, sb = sharded_params(p, params), input_values(p, batch)
+            ops = make_executor(p, comm, sp, coalesce=False, training=training, step=step, seed=self.seed)
+            rec = wrap_ops(ops) if wrap_ops is not None else ops
+            return scalar_loss(ops, p.model.loss(rec, sp, sb))
+
+        spec = lambda role, k: atoms.spec(p.layouts[role][k])
+        in_specs = ({k: spec(Role.PARAMS, k) for k in params}, {k: spec(Role.ACTIVATIONS, k) for k in batch},
+                    PartitionSpec())
+        return jax.shard_map(local, mesh=self.jax_mesh, in_specs=in_specs, out_specs=PartitionSpec())(
+            params, batch, jnp.asarray(step, jnp.int32))
+
+    def _loss_and_grads(self, params, batch, step, training: bool = True):
+        loss, grads = jax.value_and_grad(self._loss)(params, batch, step, training)
+        if self.mode is not Mode.SINGLE:
+            layouts = self.program.layouts[Role.GRADS]
+            grads = {k: jax.lax.with_sharding_constraint(g, self._sharding(layouts[k])) for k, g in grads.items()}
+        return loss, grads
+
+    def _train_step(self, state, batch, step):
+        loss, grads = self._loss_and_grads(state["params"], batch, step)
+        updates, opt = self.tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        if self.mode is not Mode.SINGLE:
+            layouts = self.program.layouts[Role.PARAMS]
+            params = {k: jax.lax.with_sharding_constraint(v, self._sharding(layouts[k])) for k, v in params.items()}
+        return {"params": params, "opt": opt}, loss
+
+    # -- state -----------------------------------------------------------------------------------------
+    def init(self, params: Mapping[str, np.ndarray]):
+        p = self._place(params, Role.PARAMS)
+        if self.mode is Mode.SINGLE:
+            return {"params": p, "opt": jax.jit(self.tx.init)(p)}
+        return {"params": p, "opt": self._init_opt(p)}
+
+    def _init_opt(self, params):
+        """Optimizer states made where they live, in the optimizer layouts (works across processes)."""
+        init = lambda p: jax.tree_util.tree_map_with_path(self._place_opt_leaf, self.tx.init(p))
+        return jax.jit(init)(params)
+
+    def _place_opt_leaf(self, path, leaf):
+        name = getattr(path[-1], "key", None)
+        layouts = self.program.layouts[Role.OPTIMIZER]
+        if isinstance(name, str) and name in layouts and leaf.ndim:
+            return jax.lax.with_sharding_constraint(leaf, self._sharding(layouts[name]))
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.jax_mesh, PartitionSpec()))
+
+    # -- the Session contract ----------------------------------------------------------------------------
+    def step(self, batch) -> float:
+        self.state, loss = self._step(self.state, self._place_batch(batch), jnp.int32(self.count))
+        self.count += 1
+        return float(fetch(loss))
+
+    def step_hlo(self, batch) -> str:
+        """The optimized HLO of the compiled training step (benchmarks read its collectives)."""
+        return self._step.lower(self.state, self._place_batch(batch), jnp.int32(self.count)).compile().as_text()
+
+    def eval_loss(self, batch) -> float:
+        return float(fetch(self._eval(self.state["params"], self._place_batch(batch), jnp.int32(self.count))))
+
+    def loss_and_grads(self, batch):
+        loss, grads = self._grads(self.state["params"], self._place_batch(batch), jnp.int32(self.count))
+        return float(fetch(loss)), {k: fetch(v) for k, v in grads.items()}
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {k: fetch(v) for k, v in self.state["params"].items()}
+
+    def barrier(self) -> None:
+        pass
+
+    def emit(self, event) -> None:
+        if self._emit is not None:
+            self._emit(event)
+
+    # -- checkpoints: blocks in, blocks out (no whole tensor on the host) ----------------------------------
+    def _opt_leaves(self, opt):
+        """(kind, name, leaf) for each optimizer-state leaf: ("mu"|"nu", param name) or ("count", None)."""
+        out = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(opt)[0]:
+            attrs = [getattr(k, "name", None) for k in path]
+            name = getattr(path[-1], "key", None)
+            if "mu" in attrs or "nu" in attrs:
+                out.append(("mu" if "mu" in attrs else "nu", name, leaf))
+            elif "count" in attrs:
+                out.append(("count", None, leaf))
+            else:
+                raise ValueError(f"optimizer state leaf at {jax.tree_util.keystr(path)} is not Adam's mu, nu or count.")
+        return out
+
+    def checkpoint_tensors(self):
+        """Pieces from the arrays' own shards (replica 0 of each block, in the file of the mesh rank
+        whose device holds it); blocks of this process's devices only."""
+        if self.mode is Mode.SINGLE:
+            raise ValueError("checkpoints are saved from a sharded run (mode explicit or gspmd), not the single-device "
+                             "reference.")
+        state, lay = self.state, self.program.layouts
+        rank_of = {d.id: r for r, d in enumerate(self.jax_mesh.devices.flat)}
+        named = [(f"params/{k}", v, lay[Role.PARAMS][k]) for k, v in state["params"].items()]
+        count = 0
+        for kind, name, leaf in self._opt_leaves(state["opt"]):
+            if kind == "count":
+                count = int(fetch(leaf))
+            else:
+                named.append((f"opt/{kind}/{name}", leaf, lay[Role.OPTIMIZER][name]))
+        tensors, blocks = [], {}
+        for name, arr, layout in named:
+            pieces: dict = {}
+            for dev, index in arr.sharding.devices_indices_map(arr.shape).items():
+                start, stop = b = box(index, arr.shape)
+                if b not in pieces:
+                    pieces[b] = Piece(rank_file(rank_of[dev.id]), piece_key(name, start), start, stop)
+            for shard in arr.addressable_shards:
+                piece = pieces[box(shard.index, arr.shape)]
+                if piece.file == rank_file(rank_of[shard.device.id]):
+                    blocks.setdefault(piece.file, {})[piece.key] = np.asarray(shard.data)
+            tensors.append((name, tuple(arr.shape), str(layout), list(pieces.values())))
+        return tensors, blocks, count
+
+    def restore(self, ckpt, params_only: bool = False) -> None:
+        """Each device's block is read from the pieces it overlaps. ``params_only``: a fresh optimizer."""
+        shapes = self.program.shapes
+
+        def load(name, shape, sharding):
+            return jax.make_array_from_callback(tuple(shape), sharding, lambda index: ckpt.read(
+                name, tuple(map(slice, *box(index, shape))), shape=shape))
+
+        if self.mode is Mode.SINGLE:
+            raise ValueError("restore into a sharded run (mode explicit or gspmd).")
+        lay = self.program.layouts
+        params = {k: load(f"params/{k}", shapes[k], self._sharding(lay[Role.PARAMS][k])) for k in shapes}
+        opt = self._init_opt(params)
+        if params_only:
+            self.state, self.count = {"params": params, "opt": opt}, 0
+            return
+        count = ckpt.count()
+        leaves = []
+        for kind, name, leaf in self._opt_leaves(opt):
+            if kind == "count":
+                leaves.append(jax.device_put(np.asarray(count, leaf.dtype), leaf.sharding))
+            else:
+                leaves.append(load(f"opt/{kind}/{name}", shapes[name], leaf.sharding))
+        self.state = {"params": params, "opt": jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt), leaves)}
+        self.count = count
+
+    # -- the bisect's recording ---------------------------------------------------------------------------
+    def trace(self, batch) -> list:
+        with jax.default_matmul_precision("highest"):  # no TF32 on GPUs: fp32 is what is compared
+            if self.mode is Mode.EXPLICIT:
+                return self._trace_explicit(batch)
+            return self._trace_dense(batch)
+
+    def _trace_dense(self, batch) -> list:
+        """Single and GSPMD: the ops' outputs are (global) arrays; XLA's collectives are not ours to tap."""
+        holder: dict = {}
+
+        def run(params, batch):
+            outs: list = []
+            holder["rec"] = Recorder(self._dense_ops(False, 0), lambda probe, out: outs.append(out))
+            self.program.model.loss(holder["rec"], params, batch)
+            return outs
+
+        outs = jax.jit(run)(self.state["params"], self._place_batch(batch))
+        probes = holder["rec"].probes
+        for probe, out in zip(probes, outs):
+            probe.value = fetch(out)
+        return probes
+
+    def _trace_explicit(self, batch) -> list:
+        """Each device's block of every op's output and of every plan step's input and output leave
+        the trace through ``jax.debug.callback``; the host assembles and checks them."""
+        from jax import lax
+
+        atoms = self.atoms.atom_names
+        blocks: dict = {}  # key -> {rank: block}
+        pending: list = []  # (probe, plan, i)
+        holder: dict = {}
+
+        def host(key, rank, value):
+            blocks.setdefault(key, {})[int(rank)] = np.asarray(value)
+
+        def emit(key, local):
+            jax.debug.callback(functools.partial(host, key), lax.axis_index(atoms), local)
+
+        def capture(probe, out):
+            probe.layout = out.layout
+            emit(("op", probe.index), out.local)
+
+        def on_step(probe, plan, i, before, after):
+            n = len(pending)
+            emit(("in", n), before)
+            emit(("out", n), after)
+            pending.append((probe, plan, i))
+
+        def wrap(ops):
+            pending.clear()
+            holder["rec"] = Recorder(ops, capture, on_step)
+            return holder["rec"]
+
+        loss = jax.jit(lambda p, b: self._explicit_loss(p, b, 0, False, wrap_ops=wrap))(
+            self.state["params"], self._place_batch(batch))
+        jax.block_until_ready(loss)
+        jax.effects_barrier()
+        world = self.program.mesh.size
+        probes = holder["rec"].probes
+        for probe in probes:
+            probe.pieces = blocks.get(("op", probe.index), {})
+            assemble(probe, world)
+        for n, (probe, plan, i) in enumerate(pending):
+            before, after = blocks.get(("in", n), {}), blocks.get(("out", n), {})
+            probe.steps.append(check_step(plan, i, [before[r] for r in range(world)], [after[r] for r in range(world)]))
+        return probes

@@ -1,0 +1,168 @@
+"""The numpy backend's ``Session``: a whole program on a simulated mesh in this process.
+
+Sharded: every rank's blocks at once (``PerRank``), the core executor over ``NumpyComm``, the
+backward by ``autodiff`` with the collectives' transposes; each gradient is assembled from the
+ranks' blocks with ``core.sim.gather``, which refuses replicas that differ (a variance bug shows
+up as that, before any comparison with a reference). Single: the same ops on whole arrays. The
+optimizer is ``core.optim.adamw_update`` on global arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from ...core.ops import DenseOps, DropoutKey
+from ...core.optim import AdamState, adamw_update
+from ...core.pieces import owned_blocks, pieces_of, rank_file
+from ...core.program import Program
+from ...core.session import make_executor, scalar_loss, sharded_inputs, sharded_params
+from ...core.sim import gather, scatter
+from ...core.spec import Layout
+from ...core.strategies import Role
+from ...core.trace import Recorder, assemble, check_step
+from . import autodiff as ad
+from .comm import NumpyComm
+from .ops import NumpyLocal, PerRank
+
+__all__ = ["NumpyBackend", "NumpySession"]
+
+MAX_RANKS = 64
+
+
+class NumpyBackend:
+    def __init__(self, name: str = "numpy", single: bool = False):
+        self.name, self.single = name, single
+
+    def prepare(self, mesh) -> None:
+        if not self.single and mesh.size > MAX_RANKS:
+            raise ValueError(f"{mesh} has {mesh.size} ranks; the numpy backend simulates at most {MAX_RANKS} in one "
+                             f"process.")
+
+    def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
+            timeout_s: float = 600.0):
+        self.prepare(program.mesh)
+        session = NumpySession(program, program.init(seed) if params is None else params, single=self.single,
+                               emit=on_event, seed=seed)
+        return fn(session, *args)
+
+
+class NumpySession:
+    rank, lead = 0, True
+
+    def __init__(self, program: Program, params: Mapping[str, np.ndarray], *, single: bool = False,
+                 emit: Callable | None = None, seed: int = 0):
+        self.program, self.single, self.seed = program, single, seed
+        self._params = {k: np.asarray(params[k], np.float32).copy() for k in program.shapes}
+        self.opt = AdamState()
+        self._emit = emit
+
+    # -- one forward (and backward) ------------------------------------------------------------------
+    def _forward(self, batch, *, training: bool, wrap=None):
+        """(loss value per rank or whole, leaves by parameter name)."""
+        p, model = self.program, self.program.model
+        rng = DropoutKey(self.seed, self.opt.count)
+        if self.single:
+            leaves = {k: ad.Var(v) for k, v in self._params.items()}
+            ops = DenseOps(NumpyLocal(), training=training, rng=rng)
+            ops = wrap(ops) if wrap is not None else ops
+            inputs = {k: np.asarray(batch[k], d.dtype.numpy) for k, d in model.inputs(p.batch).items()}
+            return [model.loss(ops, leaves, inputs)], {k: [v] for k, v in leaves.items()}, None
+        comm = NumpyComm(p.mesh)
+        leaves = {k: [ad.Var(b) for b in scatter(v, p.layouts[Role.PARAMS][k])] for k, v in self._params.items()}
+        params = sharded_params(p, {k: PerRank(v) for k, v in leaves.items()})
+        inputs = sharded_inputs(p, batch, lambda x, layout: PerRank(scatter(x, layout)))
+        ops = make_executor(p, comm, params, training=training, step=rng.step, seed=self.seed)
+        rec = wrap(ops) if wrap is not None else ops
+        loss = scalar_loss(ops, model.loss(rec, params, inputs))
+        return loss.values, leaves, ops
+
+    def _grads(self, batch, *, training: bool = True):
+        outs, leaves, _ = self._forward(batch, training=training)
+        flat = [v for k in leaves for v in leaves[k]]
+        grads = ad.grad(outs, flat)
+        out, i = {}, 0
+        for k, vs in leaves.items():
+            blocks = [np.zeros_like(ad.value(v)) if g is None else g for v, g in zip(vs, grads[i:i + len(vs)])]
+            i += len(vs)
+            out[k] = blocks[0] if self.single else _assemble(blocks, self.program.layouts[Role.PARAMS][k], k)
+        return float(ad.value(outs[0])), out
+
+    # -- the Session contract ---------------------------------------------------------------------------
+    def step(self, batch) -> float:
+        loss, grads = self._grads(batch)
+        self._params = adamw_update(self._params, grads, self.opt, self.program.optimizer)
+        return loss
+
+    def eval_loss(self, batch) -> float:
+        outs, _, _ = self._forward(batch, training=False)
+        return float(ad.value(outs[0]))
+
+    def loss_and_grads(self, batch):
+        return self._grads(batch)
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._params.items()}
+
+    def checkpoint_tensors(self):
+        p = self.program
+        named = [(f"params/{k}", v, p.layouts[Role.PARAMS][k]) for k, v in self._params.items()]
+        for kind, store in (("mu", self.opt.mu), ("nu", self.opt.nu)):
+            named += [(f"opt/{kind}/{k}", store.get(k, np.zeros_like(v)), p.layouts[Role.OPTIMIZER][k])
+                      for k, v in self._params.items()]
+        tensors, blocks = [], {}
+        for name, value, layout in named:
+            tensors.append((name, value.shape, str(layout), pieces_of(name, layout, value.shape)))
+            for r, sl in enumerate(layout.shard_slices(value.shape)):
+                for piece in owned_blocks(name, layout, value.shape, r):
+                    blocks.setdefault(rank_file(r), {})[piece.key] = np.ascontiguousarray(value[sl])
+        return tensors, blocks, self.opt.count
+
+    def restore(self, ckpt, params_only: bool = False) -> None:
+        shapes = self.program.shapes
+        self._params = {k: ckpt.read(f"params/{k}", shape=s) for k, s in shapes.items()}
+        self.opt = AdamState()
+        if not params_only:
+            self.opt.count = ckpt.count()
+            self.opt.mu = {k: ckpt.read(f"opt/mu/{k}", shape=s) for k, s in shapes.items()}
+            self.opt.nu = {k: ckpt.read(f"opt/nu/{k}", shape=s) for k, s in shapes.items()}
+
+    def trace(self, batch) -> list:
+        world = 1 if self.single else self.program.mesh.size
+        holder = {}
+
+        def capture(probe, out):
+            if self.single:
+                probe.value = np.asarray(ad.value(out))
+                return
+            probe.layout = out.layout
+            probe.pieces = {r: np.asarray(ad.value(v)) for r, v in enumerate(out.local.values)}
+            assemble(probe, world)
+
+        def on_step(probe, plan, i, before, after):
+            probe.steps.append(check_step(plan, i, [ad.value(v) for v in before.values],
+                                          [ad.value(v) for v in after.values]))
+
+        def wrap(ops):
+            holder["rec"] = Recorder(ops, capture, None if self.single else on_step)
+            return holder["rec"]
+
+        self._forward(batch, training=False, wrap=wrap)
+        return holder["rec"].probes
+
+    def barrier(self) -> None:
+        pass
+
+    def emit(self, event) -> None:
+        if self._emit is not None:
+            self._emit(event)
+
+
+def _assemble(blocks, layout: Layout, name: str) -> np.ndarray:
+    try:
+        return gather(blocks, layout)
+    except ValueError as e:
+        raise AssertionError(f"the gradient of {name!r} differs between ranks that hold the same block of {layout}: "
+                             f"the executor's variance rule did not sum it where the parameter stops varying ({e})"
+                             ) from None

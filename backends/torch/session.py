@@ -1,0 +1,475 @@
+"""The torch backend's ``Session``: one process per rank (gloo here, NCCL under torchrun), or one
+process for the whole model (the reference).
+
+A sharded session holds this rank's parameter blocks (a ``torch.nn.Module`` whose parameters are
+the stored shards, named as the model declares them), runs the model through the core executor
+on ``TorchComm``, and takes AdamW steps on the optimizer layout's shards: gradients come out of
+backward in the parameters' layouts (ZeRO-2: reduce-scattered straight into their shards), move to
+the optimizer layout, torch's AdamW (or parlay's fused kernel on CUDA) updates them, and a core
+plan moves the values back (ZeRO's all-gather).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+from ...core import Layout, plan_redistribute
+from ...core.executor import Hooks
+from ...core.log import CollectiveLog
+from ...core.ops import DenseOps, DropoutKey
+from ...core.optim import OptimizerConfig
+from ...core.pieces import owned_blocks, pieces_of, rank_file
+from ...core.program import Program
+from ...core.session import check_batch, make_executor, scalar_loss, sharded_inputs, sharded_params
+from ...core.strategies import Role
+from ...core.trace import Recorder, assemble, check_step
+from .collectives import run_plan
+from .comm import TorchComm
+from .grad_sync import GradSync
+from .launch import spawn
+from .mesh import TorchMesh
+from .ops import TorchLocal
+
+__all__ = ["TorchBackend", "TorchSession", "TorchSingleSession", "ShardedModule", "GLOO_PER_CORE"]
+
+GLOO_PER_CORE = 16  # gloo processes per CPU core this machine runs in reasonable time
+
+
+class TorchBackend:
+    """``bucket_bytes``: data-parallel gradient sums go in buckets of this size that overlap the
+    backward pass (None: one blocking all-reduce per parameter, as the variance rule says).
+    ``coalesce``: parameters gathered for use (FSDP) are gathered one block at a time in one
+    collective, and their gradients reduce-scattered likewise. ``kernels``: the Triton switch."""
+
+    def __init__(self, name: str = "torch", single: bool = False, *, bucket_bytes: int | None = 25 * 2**20,
+                 coalesce: bool = True, kernels: str | None = None):
+        self.name, self.single = name, single
+        self.options = dict(bucket_bytes=bucket_bytes, coalesce=coalesce, kernels=kernels)
+
+    def prepare(self, mesh) -> None:
+        import os
+
+        limit = (os.cpu_count() or 1) * GLOO_PER_CORE
+        if not self.single and mesh.size > limit:
+            raise ValueError(f"{mesh} has {mesh.size} ranks; this machine runs at most {limit} gloo processes "
+                             f"({GLOO_PER_CORE} per core).")
+
+    def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
+            timeout_s: float = 600.0, wall_s: float | None = -1):
+        self.prepare(program.mesh)
+        if self.single:
+            session = TorchSingleSession(program, program.init(seed) if params is None else params, seed=seed,
+                                         emit=on_event, kernels=self.options["kernels"])
+            return fn(session, *args)
+        import multiprocessing as mp
+
+        events = mp.get_context("spawn").Queue() if on_event is not None else None
+        launch = lambda: spawn(_worker, program.mesh.size, program, fn, args, params, seed, events, self.options,
+                               timeout_s=timeout_s, wall_s=None if on_event is not None else wall_s)[0]
+        if events is None:
+            return launch()
+        return _relay(launch, events, on_event)
+
+
+def _worker(rank, program: Program, fn, args, params, seed, events, options):
+    emit = events.put if events is not None and rank == 0 else None
+    session = TorchSession(program, program.init(seed) if params is None else params, seed=seed, emit=emit,
+                           **options)
+    out = fn(session, *args)
+    if emit is not None:  # flush the events into the pipe before spawn may stop this process
+        events.close()
+        events.join_thread()
+    return out if rank == 0 else None
+
+
+def _relay(launch: Callable, events, on_event: Callable):
+    """Run ``launch`` (it spawns the ranks) in a thread; hand rank 0's events to ``on_event`` here."""
+    result, failure = [], []
+
+    def run():
+        try:
+            result.append(launch())
+        except BaseException as e:
+            failure.append(e)
+        finally:
+            events.put(_DONE)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    while True:
+        try:
+            event = events.get(timeout=1.0)
+        except queue.Empty:
+            if not thread.is_alive():  # the sentinel may never come if a rank died mid-put
+                break
+            continue
+        if isinstance(event, str) and event == _DONE:
+            break
+        on_event(event)
+    thread.join()
+    events.cancel_join_thread()
+    if failure:
+        raise failure[0]
+    return result[0] if result else None
+
+
+_DONE = "parlay:done"
+
+
+# -- the optimizer, shared by both sessions ------------------------------------------------------------
+
+def _adamw(params, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def _clip(norm: torch.Tensor, clip: float) -> torch.Tensor:
+    # optax.clip_by_global_norm's rule, so torch and JAX trajectories can be compared.
+    return torch.where(norm < clip, torch.ones_like(norm), clip / norm)
+
+
+def _adamw_step(opt: torch.optim.AdamW, cfg: OptimizerConfig, updates: int) -> int:
+    """One AdamW update at the schedule's rate for update ``updates``; returns the new count.
+    Where the kernel switch says Triton (by default: CUDA tensors), parlay's fused multi-tensor
+    kernel takes the step on the optimizer's own state (so checkpoints see the same state)."""
+    from ...triton_kernels import adamw_step, should_use_triton
+
+    params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+    lr = cfg.lr_at(updates)
+    if params and should_use_triton(None, *params, *(p.grad for p in params)):
+        for p in params:
+            state = opt.state[p]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+        with torch.no_grad():
+            adamw_step(params, [p.grad for p in params], [opt.state[p]["exp_avg"] for p in params],
+                       [opt.state[p]["exp_avg_sq"] for p in params], step=updates + 1, lr=lr, beta1=cfg.beta1,
+                       beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return updates + 1
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    return updates + 1
+
+
+def _torch_batch(program: Program, batch, device) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v, device=device) for k, v in check_batch(program, batch).items()}
+
+
+# -- one process: the reference -------------------------------------------------------------------------
+
+class TorchSingleSession:
+    """Single-process AdamW on the neutral model: the reference for the sharded session."""
+
+    rank, lead = 0, True
+
+    def __init__(self, program: Program, params: Mapping[str, np.ndarray], *, seed: int = 0, emit=None,
+                 kernels: str | None = None):
+        self.program, self.seed, self._emit, self.count = program, seed, emit, 0
+        self.local_ops = TorchLocal(kernels=kernels)
+        self.params_ = {k: torch.tensor(np.asarray(params[k], np.float32), requires_grad=True) for k in program.shapes}
+        self.opt = _adamw(list(self.params_.values()), program.optimizer)
+
+    def _loss(self, batch, *, training: bool, wrap=None):
+        ops = DenseOps(self.local_ops, training=training, rng=DropoutKey(self.seed, self.count))
+        return self.program.model.loss(wrap(ops) if wrap else ops, self.params_, _torch_batch(self.program, batch, "cpu"))
+
+    def step(self, batch) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self._loss(batch, training=True)
+        loss.backward()
+        with torch.no_grad():
+            norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params_.values())).float()
+            scale = _clip(norm, self.program.optimizer.clip)
+            for p in self.params_.values():
+                p.grad.mul_(scale)
+        self.count = _adamw_step(self.opt, self.program.optimizer, self.count)
+        return float(loss.detach())
+
+    def eval_loss(self, batch) -> float:
+        with torch.no_grad():
+            return float(self._loss(batch, training=False))
+
+    def loss_and_grads(self, batch):
+        self.opt.zero_grad(set_to_none=True)
+        loss = self._loss(batch, training=True)
+        loss.backward()
+        grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)).numpy().copy() for k, v in self.params_.items()}
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach()), grads
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().numpy().copy() for k, v in self.params_.items()}
+
+    def checkpoint_tensors(self):
+        raise ValueError("checkpoints are saved from a sharded run, not the single-process reference.")
+
+    def restore(self, ckpt, params_only: bool = False) -> None:
+        raise ValueError("restore into a sharded run, not the single-process reference.")
+
+    def trace(self, batch) -> list:
+        holder = {}
+
+        def wrap(ops):
+            holder["rec"] = Recorder(ops, lambda probe, out: setattr(probe, "value", out.detach().numpy().copy()))
+            return holder["rec"]
+
+        with torch.no_grad():
+            self._loss(batch, training=False, wrap=wrap)
+        return holder["rec"].probes
+
+    def barrier(self) -> None:
+        pass
+
+    def emit(self, event) -> None:
+        if self._emit is not None:
+            self._emit(event)
+
+
+# -- one rank of a mesh -------------------------------------------------------------------------------------
+
+def _assemble(local: torch.Tensor, layout: Layout, shape) -> np.ndarray:
+    """The global array from every rank's block of ``layout`` (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(local) for _ in range(layout.mesh.size)]
+    dist.all_gather(pieces, local.contiguous())
+    full = np.empty(shape, np.float32)
+    for r, sl in enumerate(layout.shard_slices(shape)):
+        full[sl] = pieces[r].cpu().numpy()
+    return full
+
+
+def _blocks(local: torch.Tensor, world: int) -> list[np.ndarray]:
+    import torch.distributed as dist
+
+    local = local.detach().contiguous()
+    pieces = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(pieces, local)
+    return [p.cpu().numpy() for p in pieces]
+
+
+class ShardedModule(torch.nn.Module):
+    """This rank's stored parameter blocks as a ``torch.nn.Module``, named as the model declares
+    them (``blocks.0.attn.wq`` is ``module.blocks[0]``... as nested modules ``blocks.0.attn``):
+    ``module(batch)`` is the loss."""
+
+    def __init__(self, session: "TorchSession", blocks: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self._session = [session]  # not a submodule
+        for name, tensor in blocks.items():
+            *path, leaf = name.split(".")
+            module = self
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, torch.nn.Parameter(tensor.detach()))
+
+    def forward(self, batch) -> torch.Tensor:
+        return self._session[0].loss(batch)
+
+
+class TorchSession:
+    """One rank of a sharded run (torch.distributed initialised: by ``spawn`` or torchrun)."""
+
+    def __init__(self, program: Program, params: Mapping[str, np.ndarray], *, seed: int = 0, emit=None,
+                 bucket_bytes: int | None = 25 * 2**20, coalesce: bool = True, kernels: str | None = None,
+                 device: str | None = None):
+        import torch.distributed as dist
+
+        self.program, self.seed, self._emit, self.coalesce = program, seed, emit, coalesce
+        mesh, lay = program.mesh, program.layouts
+        if device is None:
+            nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+            device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
+        self.device = torch.device(device)
+        self.tm = TorchMesh(mesh, self.device.type)
+        self.rank = self.tm.rank
+        self.lead = self.rank == 0
+        self.log = CollectiveLog()
+        self.local_ops = TorchLocal(kernels=kernels, device=self.device)
+        self.grad_sync = (GradSync(self.tm, bucket_bytes=bucket_bytes, log=self.log, grad_layouts=lay[Role.GRADS])
+                          if bucket_bytes else None)
+        self.module = ShardedModule(self, self._shard(params, Role.PARAMS))
+        self.local = dict(self.module.named_parameters())
+        # Where the optimizer layout is the parameter's own, AdamW steps the parameter in place;
+        # elsewhere (ZeRO) it steps a shard of it.
+        self.shared = {k for k in program.shapes if lay[Role.OPTIMIZER][k] == lay[Role.PARAMS][k]}
+        self.master = {k: self.local[k] if k in self.shared else t.requires_grad_(True)
+                       for k, t in self._shard(params, Role.OPTIMIZER).items()}
+        self.opt = _adamw(list(self.master.values()), program.optimizer)
+        self.count = 0
+        self.hooks: Hooks | None = None  # observers of the next forward (tests, the bisect)
+
+    def _shard(self, params, role: Role) -> dict[str, torch.Tensor]:
+        lay = self.program.layouts[role]
+        return {k: torch.tensor(np.ascontiguousarray(np.asarray(params[k], np.float32)[
+            lay[k].shard_slices(np.shape(params[k]))[self.rank]]), device=self.device) for k in self.program.shapes}
+
+    # -- forward and backward -----------------------------------------------------------------------------
+    def loss(self, batch, *, training: bool = True, wrap=None) -> torch.Tensor:
+        """This rank's loss (the same on every rank); ``wrap(ops)`` wraps the executor."""
+        p = self.program
+        comm = TorchComm(self.tm, self.local_ops, log=self.log, grad_sync=self.grad_sync)
+        place = lambda x, layout: torch.as_tensor(np.ascontiguousarray(x[layout.shard_slices(x.shape)[self.rank]]),
+                                                  device=self.device)
+        sp = sharded_params(p, self.local)
+        sb = sharded_inputs(p, batch, place)
+        hooks, self.hooks = self.hooks, None
+        ops = make_executor(p, comm, sp, coalesce=self.coalesce, hooks=hooks, training=training, step=self.count,
+                            seed=self.seed)
+        self.last_ops = ops
+        return scalar_loss(ops, p.model.loss(wrap(ops) if wrap is not None else ops, sp, sb))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, then wait for the bucketed gradient sums."""
+        if self.grad_sync is not None:
+            self.grad_sync.sharded.clear()
+        loss.backward()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    def grads(self) -> dict[str, tuple[torch.Tensor, Layout]]:
+        """This rank's gradient of each parameter and the layout it is in (ZeRO-2: sharded)."""
+        lay = self.program.layouts
+        sharded = self.grad_sync.sharded if self.grad_sync is not None else {}
+        return {k: (sharded[k], lay[Role.GRADS][k]) if k in sharded else
+                   (v.grad if v.grad is not None else torch.zeros_like(v), lay[Role.PARAMS][k])
+                for k, v in self.local.items()}
+
+    def _move(self, name: str, x: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
+        plan = plan_redistribute(src, dst, self.program.shapes[name], itemsize=x.element_size())
+        return run_plan(plan, x, self.tm, self.log)
+
+    # -- the Session contract --------------------------------------------------------------------------------
+    def step(self, batch) -> float:
+        import torch.distributed as dist
+
+        for p in self.local.values():
+            p.grad = None
+        self.log.clear()  # the collectives of this step only (a long run would grow it)
+        loss = self.loss(batch)
+        self.backward(loss)
+        mesh, lay, cfg = self.program.mesh, self.program.layouts, self.program.optimizer
+        with torch.no_grad():
+            # The global norm counts each element once: a replicated shard is divided by its copies.
+            sq = torch.zeros((), dtype=torch.float64, device=self.device)
+            grads = self.grads()
+            for k, m in self.master.items():
+                g, layout = grads[k]
+                if k not in self.shared:
+                    m.grad = self._move(k, g, layout, lay[Role.OPTIMIZER][k]).clone()
+                opt_layout = lay[Role.OPTIMIZER][k]
+                copies = mesh.size // int(np.prod([opt_layout.shard_count(d) for d in range(m.ndim)]))
+                sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
+            dist.all_reduce(sq)
+            scale = _clip(torch.sqrt(sq).float(), cfg.clip)
+            for m in self.master.values():
+                m.grad.mul_(scale)
+        self.count = _adamw_step(self.opt, cfg, self.count)
+        with torch.no_grad():
+            for k, m in self.master.items():
+                if k not in self.shared:
+                    self.local[k].copy_(self._move(k, m.detach(), lay[Role.OPTIMIZER][k], lay[Role.PARAMS][k]))
+        return float(loss.detach())
+
+    def eval_loss(self, batch) -> float:
+        with torch.no_grad():
+            return float(self.loss(batch, training=False))
+
+    def loss_and_grads(self, batch):
+        for p in self.local.values():
+            p.grad = None
+        loss = self.loss(batch)
+        self.backward(loss)
+        shapes = self.program.shapes
+        grads = {k: _assemble(g, layout, shapes[k]) for k, (g, layout) in self.grads().items()}
+        for p in self.local.values():
+            p.grad = None
+        return float(loss.detach()), grads
+
+    def params(self) -> dict[str, np.ndarray]:
+        lay, shapes = self.program.layouts[Role.PARAMS], self.program.shapes
+        return {k: _assemble(v.detach(), lay[k], shapes[k]) for k, v in self.local.items()}
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def emit(self, event) -> None:
+        if self._emit is not None:
+            self._emit(event)
+
+    # -- checkpoints: each rank writes the blocks it is the first holder of, reads what it needs -------------
+    def _named(self):
+        """(checkpoint name, this rank's tensor, layout) of every parameter and AdamW moment."""
+        lay = self.program.layouts
+        out = [(f"params/{k}", v.detach(), lay[Role.PARAMS][k]) for k, v in self.local.items()]
+        for k, m in self.master.items():
+            state = self.opt.state.get(m, {})
+            for kind, key in (("mu", "exp_avg"), ("nu", "exp_avg_sq")):
+                out.append((f"opt/{kind}/{k}", state.get(key, torch.zeros_like(m)).detach(), lay[Role.OPTIMIZER][k]))
+        return out
+
+    def checkpoint_tensors(self):
+        """Every rank computes the same ``tensors`` (from the layouts alone); ``blocks`` holds this
+        rank's file only."""
+        tensors, mine = [], {}
+        for name, value, layout in self._named():
+            shape = self.program.shapes[name.rsplit("/", 1)[1]]
+            tensors.append((name, tuple(shape), str(layout), pieces_of(name, layout, shape)))
+            for piece in owned_blocks(name, layout, shape, self.rank):
+                mine[piece.key] = value.cpu().numpy()
+        return tensors, ({rank_file(self.rank): mine} if mine else {}), self.count
+
+    def restore(self, ckpt, params_only: bool = False) -> None:
+        """This rank reads only its blocks. ``params_only``: a fresh optimizer."""
+        lay, shapes = self.program.layouts, self.program.shapes
+        count = 0 if params_only else ckpt.count()
+
+        def block(name, layout, shape):
+            region = layout.shard_slices(tuple(shape))[self.rank]
+            return torch.from_numpy(ckpt.read(name, region, shape=shape)).to(self.device)
+
+        with torch.no_grad():
+            for k, p in self.local.items():
+                p.copy_(block(f"params/{k}", lay[Role.PARAMS][k], shapes[k]))
+            for k, m in self.master.items():
+                shape, layout = shapes[k], lay[Role.OPTIMIZER][k]
+                if k not in self.shared:
+                    m.copy_(block(f"params/{k}", layout, shape))
+                if params_only:
+                    self.opt.state.pop(m, None)
+                    continue
+                self.opt.state[m] = {"step": torch.tensor(float(count)),
+                                     "exp_avg": block(f"opt/mu/{k}", layout, shape),
+                                     "exp_avg_sq": block(f"opt/nu/{k}", layout, shape)}
+        self.count = count
+
+    # -- the bisect's recording: every op and plan step gathered to every rank -------------------------------
+    def trace(self, batch) -> list:
+        world = self.program.mesh.size
+        holder: dict = {}
+
+        def capture(probe, out):
+            probe.layout = out.layout
+            probe.pieces = dict(enumerate(_blocks(out.local, world)))
+            assemble(probe, world)
+
+        def on_step(probe, plan, i, before, after):
+            probe.steps.append(check_step(plan, i, _blocks(before, world), _blocks(after, world)))
+
+        def wrap(ops):
+            holder["rec"] = Recorder(ops, capture, on_step)
+            return holder["rec"]
+
+        with torch.no_grad():
+            self.loss(batch, training=False, wrap=wrap)
+        return holder["rec"].probes if self.lead else None

@@ -1,0 +1,48 @@
+"""One record of the collectives a run issued, for every backend (tests count them)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .steps import Kind
+
+__all__ = ["Source", "CollectiveRecord", "CollectiveLog"]
+
+
+class Source(enum.Enum):
+    PLAN = "plan"  # a step of a redistribution plan
+    OP = "op"  # an op's own reduction (norm statistics, the loss), vary's sum, a gradient bucket
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRecord:
+    kind: Kind
+    axes: tuple[str, ...]
+    nbytes: int  # sent by this rank (torch: measured on the tensors; JAX: the plan's, at trace time)
+    backward: bool = False
+    source: Source = Source.PLAN
+
+
+@dataclass
+class CollectiveLog:
+    entries: list = field(default_factory=list)
+
+    def record(self, kind: Kind, axes, nbytes: int, backward: bool = False, source: Source | str = Source.PLAN) -> None:
+        self.entries.append(CollectiveRecord(kind, tuple(axes), int(nbytes), backward, Source(source)))
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def counts(self, *, backward: bool | None = None, source: Source | str | None = None) -> dict:
+        """(kind, axes) -> how many, local slices left out (they send nothing)."""
+        src = None if source is None else Source(source)
+        out: dict = {}
+        for e in self.entries:
+            if e.kind is not Kind.LOCAL_SLICE and (backward is None or e.backward == backward) and src in (None, e.source):
+                out[(e.kind, e.axes)] = out.get((e.kind, e.axes), 0) + 1
+        return out
+
+    def bytes(self, *, backward: bool, source: Source | str) -> int:
+        src = Source(source)
+        return sum(e.nbytes for e in self.entries if e.backward == backward and e.source is src)

@@ -1,0 +1,256 @@
+"""A ``Program``: a model, a strategy, a mesh, a batch size and an optimizer, with every layout
+resolved once and checked once.
+
+``make_program`` traces the model on shapes (``core.shapes``), resolves the strategy's rules for
+every parameter (as stored, in use, its gradient, its optimizer states), every input and every
+constraint point, and checks each against its shape. It reports every problem at once, grouped
+(a logical dim that does not divide, a rule that matches no tensor, a mesh axis that shards
+nothing, a parameter used with other dims than it declared), as one ``ProgramError``. A program
+that was built runs on every backend; the backends take their layouts from it and resolve nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .executor import Fault
+from .layers import ParamDecl
+from .mesh import Mesh
+from .model import InputDecl, Model, check_model, model_init
+from .optim import OptimizerConfig
+from .rules import RuleError, Rules
+from .shapes import Trace, trace
+from .spec import Layout, P
+from .loading import load_strategy
+from .strategies import Role, Strategy
+
+__all__ = ["Program", "ProgramError", "make_program", "PARAM_ROLES"]
+
+PARAM_ROLES = (Role.PARAMS, Role.COMPUTE, Role.GRADS, Role.OPTIMIZER)
+
+
+class ProgramError(RuleError):
+    """A model, strategy and mesh that cannot run together; ``problems`` lists every reason."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """Build with ``make_program``. ``layouts[role][name]``: every parameter's layout per role
+    (``Role.ACTIVATIONS``: every input's); ``activations[dims]``: every constraint point's."""
+
+    model: Any
+    strategy: Strategy
+    mesh: Mesh
+    batch: int
+    optimizer: OptimizerConfig
+    model_ref: str | None
+    fault: Fault | None
+    decls: tuple[ParamDecl, ...]
+    inputs: Mapping[str, InputDecl]
+    layouts: Mapping[Role, Mapping[str, Layout]]
+    activations: Mapping[tuple, Layout]
+    trace: Trace
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {d.name: d.shape for d in self.decls}
+
+    @property
+    def dims(self) -> dict[str, tuple]:
+        return {d.name: d.dims for d in self.decls}
+
+    def activation(self, dims: Sequence[str | None], shape: Sequence[int]) -> Layout:
+        """The layout of a constraint point (resolved once; a point the trace did not see is
+        resolved and checked now)."""
+        dims = tuple(dims)
+        layout = self.activations.get(dims)
+        if layout is None:
+            layout = _resolve_one(self.strategy.rules(Role.ACTIVATIONS), dims, self.mesh, f"activation {dims}")
+        layout.check(tuple(shape))
+        return layout
+
+    def compute(self, name: str, dims: Sequence[str | None], shape: Sequence[int]) -> Layout:
+        layout = self.layouts[Role.COMPUTE].get(name)
+        if layout is None:
+            raise ProgramError(f"parameter {name!r} is not one of the model's:", [
+                f"the model asked for {name!r}, which decls() does not declare; declare every parameter"])
+        return layout
+
+    def init(self, seed: int = 0):
+        return model_init(self.model, seed)
+
+    def replace(self, **changes) -> "Program":
+        """The same program with other settings (``fault``, ``optimizer``, ``batch``, ...), checked again."""
+        keep = dict(model=self.model, strategy=self.strategy, mesh=self.mesh, batch=self.batch,
+                    optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault)
+        keep.update(changes)
+        if set(changes) <= {"fault", "optimizer", "model_ref"}:
+            return dataclasses.replace(self, **changes)
+        return make_program(**keep)
+
+    def __getstate__(self):
+        # A model loaded from a file rebuilds from its reference in another process.
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.model_ref is not None and _needs_ref(self.model):
+            state["model"] = None
+        return state
+
+    def __setstate__(self, state):
+        if state["model"] is None:
+            from .loading import load_model
+
+            state["model"] = load_model(state["model_ref"])[0]
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+
+def _needs_ref(model) -> bool:
+    """A model whose class lives in a file parlay loaded (no importable module name)."""
+    from .loading import USER_PREFIX
+
+    return type(model).__module__.startswith(USER_PREFIX)
+
+
+def _rule_text(axes: tuple[str, ...]):
+    return "None" if not axes else repr(axes[0]) if len(axes) == 1 else repr(axes)
+
+
+def _resolve_one(rules: Rules, dims: tuple, mesh: Mesh, what: str) -> Layout:
+    spec, problems = rules._resolve(what, dims, mesh)
+    if problems:
+        raise ProgramError(f"rules do not fit {mesh} for {what}:", problems)
+    return Layout(mesh, spec)
+
+
+class _Problems:
+    """Problems found while building a program, with divisibility failures grouped."""
+
+    def __init__(self, mesh: Mesh, strategy: Strategy):
+        self.mesh, self.strategy = mesh, strategy
+        self.items: list[str] = []
+        self.divisibility: dict[tuple, list[str]] = {}
+
+    def add(self, text: str) -> None:
+        if text not in self.items:
+            self.items.append(text)
+
+    def check(self, where: str, dims: tuple, shape: tuple, spec: P, role: Role) -> bool:
+        ok = True
+        for d, (name, n) in enumerate(zip(dims, shape)):
+            axes = spec.dim_axes(d)
+            k = self.mesh.group_size(axes)
+            if n % k:
+                roles, places = self.divisibility.setdefault((name, n, axes), ({}, {}))
+                roles[role.value] = places[f"{where} dim {d}"] = None
+                ok = False
+        return ok
+
+    def raise_if_any(self, headline: str) -> None:
+        out = list(self.items)
+        for (name, n, axes), (roles, places) in self.divisibility.items():
+            sizes = " x ".join(f"{a}={self.mesh.axis_size(a)}" for a in axes)
+            k, where = self.mesh.group_size(axes), list(places)
+            at = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+            out.append(f"logical dim {name!r} has size {n}, not divisible by {k} ({sizes}), where strategy "
+                       f"{self.strategy.name!r} shards it ({', '.join(roles)}: {at}); shards are even: choose mesh "
+                       f"sizes that divide {n}, or map {name!r} to other axes")
+        if out:
+            raise ProgramError(headline, out)
+
+
+def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: int,
+                 optimizer: OptimizerConfig = OptimizerConfig(), model_ref: str | None = None,
+                 fault: Fault | None = None) -> Program:
+    """Resolve and check every layout of ``model`` under ``strategy`` on ``mesh`` for batches of
+    ``batch``; raises one ``ProgramError`` listing every problem."""
+    model = check_model(model)
+    strategy = load_strategy(strategy)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"make_program: mesh must be a parlay.Mesh, got {mesh!r}.")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be a positive int.")
+    headline = f"strategy {strategy.name!r} cannot run this model on {mesh} with batch {batch}:"
+    problems = _Problems(mesh, strategy)
+    missing = [a for a in strategy.axes if not mesh.has_axis(a)]
+    if missing:
+        raise ProgramError(headline, [f"strategy {strategy.name!r} uses mesh axes {list(strategy.axes)} but {mesh} "
+                                      f"lacks {missing}; e.g. --mesh " + ",".join(f"{a}=2" for a in strategy.axes)])
+    decls = tuple(model.decls())
+    names = [d.name for d in decls]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ProgramError(headline, [f"the model declares parameter {dup[0]!r} twice; names must be unique"])
+    inputs = dict(model.inputs(batch))
+    for name, d in inputs.items():
+        if d.shape[0] != batch:
+            problems.add(f"input {name!r} has shape {d.shape} for batch {batch}; an input's first dim is the batch")
+    tr = trace(model, batch)
+    if tr.loss != ():
+        problems.add(f"the loss has shape {tr.loss}; loss(ops, params, batch) must return a scalar (reduce it, e.g. "
+                     f"with ops.mean or ops.cross_entropy)")
+    declared = {d.name: d.dims for d in decls}
+    for name, dims, _ in tr.params:
+        if name in declared and dims != declared[name]:
+            problems.add(f"parameter {name!r} is declared with dims {declared[name]} but used with {dims}; use the "
+                         f"declared dims (the layouts are resolved from them)")
+        elif name not in declared:
+            problems.add(f"the model uses parameter {name!r}, which decls() does not declare")
+
+    layouts: dict[Role, dict[str, Layout]] = {}
+    for role in PARAM_ROLES:
+        rules, out = strategy.rules(role), {}
+        for d in decls:
+            spec, probs = rules._resolve(d.name, d.dims, mesh)
+            for p in probs:
+                problems.add(f"{role.value}: {p}")
+            if spec is not None and problems.check(repr(d.name), d.dims, d.shape, spec, role):
+                out[d.name] = Layout(mesh, spec)
+        layouts[role] = out
+    act = strategy.rules(Role.ACTIVATIONS)
+    layouts[Role.ACTIVATIONS] = {}
+    for name, d in inputs.items():
+        spec, probs = act._resolve(f"input {name!r}", d.dims, mesh)
+        for p in probs:
+            problems.add(p)
+        if spec is not None and problems.check(f"input {name!r}", d.dims, d.shape, spec, Role.ACTIVATIONS):
+            layouts[Role.ACTIVATIONS][name] = Layout(mesh, spec)
+    activations: dict[tuple, Layout] = {}
+    for dims, shape in dict.fromkeys(tr.constraints):
+        spec, probs = act._resolve(f"activation {dims}", dims, mesh)
+        for p in probs:
+            problems.add(p)
+        if spec is not None and problems.check(f"activation {dims} {shape}", dims, shape, spec, Role.ACTIVATIONS):
+            activations[dims] = Layout(mesh, spec)
+
+    # A rule that matches nothing is a typo or a strategy meant for another model.
+    used = {n for d in decls for n in d.dims} | {n for d in inputs.values() for n in d.dims} | \
+           {n for dims, _ in tr.constraints for n in dims}
+    unmatched: dict[tuple, list[str]] = {}
+    for role in Role:
+        for name, axes in strategy.rules(role).rules:
+            if name not in used and name not in strategy.generic:
+                roles = unmatched.setdefault((name, axes), [])
+                if role.value not in roles:
+                    roles.append(role.value)
+    dims_text = sorted(n for n in used if n is not None)
+    for (name, axes), roles in unmatched.items():
+        problems.add(f"rule ({name!r}, {_rule_text(axes)}) of strategy {strategy.name!r} ({', '.join(roles)}) matches "
+                     f"no tensor: the model's logical dims are {dims_text}; fix the name or drop the rule")
+    # A mesh axis that shards nothing makes every rank along it compute the same thing.
+    busy = {a for role in layouts.values() for l in role.values() for a in l.spec.axes} | \
+           {a for l in activations.values() for a in l.spec.axes}
+    batch_dims = sorted({d.dims[0] for d in inputs.values() if d.dims[0] is not None})
+    for a in mesh.axis_names:
+        if mesh.axis_size(a) == 1 or a in busy or problems.divisibility:
+            continue
+        naming = [f"({n!r}, {_rule_text(ax)})" for n, ax in dict.fromkeys(
+            (n, ax) for role in Role for n, ax in strategy.rules(role).rules if a in ax)]
+        hint = (f"the model's batch dim is named {batch_dims or 'nothing'}: map it to {a!r} (a rule "
+                f"({(batch_dims or ['batch'])[0]!r}, {a!r})), or drop the axis")
+        why = f"its rules {', '.join(naming)} match no dim of the model; {hint}" if naming else hint
+        problems.add(f"mesh axis {a!r} (size {mesh.axis_size(a)}) shards no tensor under strategy {strategy.name!r}, "
+                     f"so every rank along it would compute the same thing; {why}")
+    problems.raise_if_any(headline)
+    return Program(model, strategy, mesh, batch, optimizer, model_ref, fault, decls, inputs, layouts, activations, tr)
