@@ -236,6 +236,18 @@ class ShardedOps:
         """Sum pending partials (a nonlinear op needs whole values)."""
         return self.redistribute(x, x.layout.replace(partial=())) if x.layout.partial else x
 
+    def finish_loss(self, x: Sharded) -> Sharded:
+        """A scalar loss, the same on every rank in the account too. A complete scalar is whole on
+        every rank; where it was computed from gathered (varying) values, each rank's copy would
+        contribute the whole gradient, so the copies are averaged: psum(loss / n) over those axes
+        (identity forward, each copy's gradient 1/n backward)."""
+        x = self.complete(x)
+        axes = self._needs(x.varying, ())
+        if not axes:
+            return x
+        n = self.mesh.group_size(axes)
+        return self._make(self.comm.psum(x.local * (1.0 / n), axes), x.layout, x.shape, x.varying - set(axes))
+
     def _index(self, axes):
         return self.comm.axis_index(tuple(axes)) if axes else 0
 

@@ -102,7 +102,7 @@ class RunFailure(RuntimeError):
 # -- what every executor-based session does the same way ----------------------------------------------
 
 class LossVaries(ValueError):
-    """The model's loss is not the same on every rank: a reduction is missing."""
+    """The model's loss is not a scalar: a reduction is missing."""
 
 
 def sharded_params(program: Program, blocks: Mapping[str, Any]) -> dict[str, Sharded]:
@@ -160,15 +160,11 @@ def make_executor(program: Program, comm, params: Mapping[str, Sharded], *, coal
 
 
 def scalar_loss(ops: ShardedOps, loss: Any) -> Any:
-    """The local value of the model's loss, checked: a scalar, its pending sums added, the same
-    on every rank."""
+    """The local value of the model's loss, checked to be a scalar, its pending sums added and
+    the same on every rank (``ShardedOps.finish_loss``)."""
     if not isinstance(loss, Sharded):
         raise TypeError(f"model.loss returned {type(loss).__name__}; it must return the result of an op.")
     if loss.shape != ():
-        raise LossVaries(f"the loss has shape {loss.shape}; loss(ops, params, batch) must return a scalar.")
-    loss = ops.complete(loss)
-    if loss.varying:
-        raise LossVaries(f"the loss varies over mesh axes {sorted(loss.varying)}: each "
-                         f"rank holds a different value, so a reduction is missing (the mean over a sharded dim of "
-                         f"the model's loss, e.g. ops.mean or ops.cross_entropy over the batch).")
-    return loss.local
+        raise LossVaries(f"the loss has shape {loss.shape}: it still holds a value per position; loss(ops, params, "
+                         f"batch) must reduce it to a scalar (ops.mean, ops.sum, ops.cross_entropy).")
+    return ops.finish_loss(loss).local
