@@ -339,9 +339,17 @@ class TorchSession:
         """This rank's gradient of each parameter and the layout it is in (ZeRO-2: sharded)."""
         lay = self.program.layouts
         sharded = self.grad_sync.sharded if self.grad_sync is not None else {}
-        return {k: (sharded[k], lay[Role.GRADS][k]) if k in sharded else
-                   (v.grad if v.grad is not None else torch.zeros_like(v), lay[Role.PARAMS][k])
-                for k, v in self.local.items()}
+        out = {}
+        for k, v in self.local.items():
+            if k not in sharded:
+                out[k] = (v.grad if v.grad is not None else torch.zeros_like(v), lay[Role.PARAMS][k])
+                continue
+            g = sharded[k]
+            if v.grad is not None:  # another use (a tied table used after a slice) reached autograd's gradient
+                with torch.no_grad():
+                    g = g + self._move(k, v.grad, lay[Role.PARAMS][k], lay[Role.GRADS][k])
+            out[k] = (g, lay[Role.GRADS][k])
+        return out
 
     def _move(self, name: str, x: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
         plan = plan_redistribute(src, dst, self.program.shapes[name], itemsize=x.element_size())

@@ -138,3 +138,18 @@ def planted_bisect(rank, layer, b):
     model = GPT(PRESETS["tiny"])
     program = make_program(model, "dp+tp", Mesh(dp=2, tp=2), batch=8).replace(fault=Fault("drop-all-reduce", layer))
     return TorchSession(program, model.init(0)).trace(b)
+
+
+def tied_table_two_paths(rank):
+    """A tied table whose first use is as stored (its gradient goes straight to its sharded
+    gradient layout) and whose second use is sliced first (its gradient reaches autograd): the
+    rule set the differential test found, on 8 ranks."""
+    from parlay import Rules
+    from parlay.core.strategies import Strategy
+    from model_params import params_for
+
+    strategy = Strategy("found", params=Rules([("seq", "y")]),
+                        activations=Rules([("embed", "y"), ("batch", "x")]), grads=Rules([("embed", ("x", "y"))]))
+    model = GPT(PRESETS["tiny-gpt2-hf"])
+    session = TorchSession(make_program(model, strategy, Mesh(x=4, y=2), batch=8), params_for(model))
+    return session.loss_and_grads(batch(model.config)) if rank == 0 else session.loss_and_grads(batch(model.config))
