@@ -106,12 +106,11 @@ class Fault:
 @dataclass
 class Hooks:
     """Observers and faults of one forward. ``tap(plan, i, before, after)`` sees every plan step;
-    ``plans`` collects every plan run; ``fault`` plants a bug; ``dropped`` counts what it dropped."""
+    ``plans`` collects every plan run; ``fault`` plants a bug."""
 
     tap: Callable | None = None
     plans: list | None = None
     fault: Fault | None = None
-    dropped: int = 0
 
 
 def _layout_axes(layout: Layout) -> frozenset:
@@ -210,7 +209,6 @@ class ShardedOps:
                     varying |= set(missing)
             if (fault and fault.kind == "drop-all-reduce" and isinstance(step, AllReduce)
                     and (self.scope + ".").startswith(fault.layer + ".")):
-                hooks.dropped += 1
                 out = local  # the addends stay as they were: still varying
             else:
                 out = self.comm.run_step(step, local, plan.mesh)

@@ -18,7 +18,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["Ops", "LocalOps", "LogicalDims", "DenseOps", "ELEMENTWISE", "dropout_keep", "DropoutKey"]
+__all__ = ["Ops", "LocalOps", "LogicalDims", "DenseOps", "ELEMENTWISE", "dropout_keep", "DropoutKey",
+           "vocab_cross_entropy"]
 
 LogicalDims = Sequence[str | None]
 Tensor = Any
@@ -139,6 +140,17 @@ class LocalOps(Protocol):
         """Per-position loss of (..., V/n) logits whose target column is ``ids`` (local, clamped)
         where ``hit``; ``combine(m, se, picked)`` sums the statistics over the vocabulary's
         shards (max, sum of exp(l - max), the target's logit) and returns them whole."""
+
+
+def vocab_cross_entropy(local: LocalOps, logits, ids, hit, combine: Callable):
+    """``LocalOps.vocab_cross_entropy`` from the other local ops: the shard's max (a shift, no
+    gradient), sum of exponentials and target logit, combined over the shards, then log-sum-exp
+    minus the target's logit, per position."""
+    m = local.max(logits, -1)
+    se = local.sum(local.exp(logits - m[..., None]), -1)
+    picked = local.take_last(logits, ids) * local.cast(hit, logits)
+    m, se, picked = combine(m, se, picked)
+    return local.log(se) + m - picked
 
 
 class DropoutKey:

@@ -62,7 +62,7 @@ def test_numpy_simulator_equals_one_device(case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["jax", "jax-gspmd"])
-@settings(max_examples=7, **SETTINGS)
+@settings(max_examples=5, **SETTINGS)
 @given(case=cases())
 def test_jax_equals_one_device(backend, case):
     loss, grads = _run(backend, case)
@@ -123,8 +123,9 @@ def test_the_reported_bug_sequence_sharded_residual_agrees_everywhere():
 def test_skipping_the_variance_rule_before_a_slice_is_caught():
     """The bug class behind the report, planted: a slice of a shared value without ``vary``. The
     numpy simulator refuses the gradient (ranks holding one block disagree), torch's gradients
-    are wrong; JAX tracks variance itself and stays right (its account is checked against ours
-    on every op: see tests/jax)."""
+    are wrong; JAX tracks variance itself and stays right. (A dropped all-reduce, the other
+    planted fault, is caught on JAX and numpy in tests/test_compare.py and on torch in
+    tests/torch/test_strategies.py.)"""
     case, prog = _faulty(Fault("skip-vary-before-slice"), CP, (("dp", 1), ("sp", 2)))
     params, batch = inputs("tiny")
     with pytest.raises(AssertionError, match=r"the gradient of 'embed.table' differs between ranks that hold the same "
@@ -132,12 +133,3 @@ def test_skipping_the_variance_rule_before_a_slice_is_caught():
         get_backend("numpy").run(prog, _lg, batch, params=params)
     assert not _agrees(case, *get_backend("torch").run(prog, _lg, batch, params=params))
     assert _agrees(case, *get_backend("jax").run(prog, _lg, batch, params=params))
-
-
-def test_a_dropped_all_reduce_is_caught_on_every_sharded_executor():
-    strategy = Strategy("tp_mlp", params=Rules([("mlp", "tp")]), activations=Rules([("batch", "dp"), ("mlp", "tp")]))
-    case, prog = _faulty(Fault("drop-all-reduce", "blocks.0.mlp"), strategy, (("dp", 2), ("tp", 2)))
-    params, batch = inputs("tiny")
-    for backend in ("numpy", "torch", "jax"):
-        assert not _agrees(case, *get_backend(backend).run(prog, _lg, batch, params=params)), backend
-    assert _agrees(case, *get_backend("jax-gspmd").run(prog, _lg, batch, params=params))  # XLA's collectives

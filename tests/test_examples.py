@@ -15,12 +15,13 @@ MODEL = ["--model", f"{VIT}:model"]
 
 
 def test_the_example_agrees_on_every_backend(tmp_path):
+    """(torch: the resume below, and the ViT's random rule sets in tests/test_differential.py.)"""
     report = tmp_path / "r.json"
     argv = ["compare", *MODEL, "--strategy", f"{VIT}:FSDP+{VIT}:TP", "--mesh", "dp=2,tp=2", "--steps", "2",
-            "--plot", "", "--json", str(report)]
+            "--backends", "jax,jax-gspmd,numpy", "--plot", "", "--json", str(report)]
     assert main(argv) == 0
     runs = json.loads(report.read_text())["backends"]
-    assert set(runs) == {"torch", "jax", "jax-gspmd", "numpy"} and all(r["agree"] for r in runs.values())
+    assert set(runs) == {"jax", "jax-gspmd", "numpy"} and all(r["agree"] for r in runs.values())
 
 
 def _train(tmp_path, name, *flags):

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...core.ops import vocab_cross_entropy
+
 __all__ = ["JaxLocal"]
 
 
@@ -92,11 +94,7 @@ class JaxLocal:
         return einops.rearrange(x, pattern, **sizes)
 
     def vocab_cross_entropy(self, logits, ids, hit, combine):
-        m = self.max(logits, -1)  # (...): a shift, no gradient
-        se = jnp.sum(jnp.exp(logits - m[..., None]), axis=-1)
-        picked = self.take_last(logits, ids) * hit.astype(logits.dtype)
-        m, se, picked = combine(m, se, picked)
-        return jnp.log(se) + m - picked
+        return vocab_cross_entropy(self, logits, ids, hit, combine)
 
     def cross_entropy(self, logits, targets):
         logz = jax.nn.logsumexp(logits, axis=-1)

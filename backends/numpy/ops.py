@@ -12,19 +12,10 @@ import math
 import numpy as np
 
 from ...core.layouts import parse_rearrange
+from ...core.ops import vocab_cross_entropy
 from . import autodiff as ad
 
-__all__ = ["NumpyLocal", "PerRank", "PerRankLocal", "vocab_cross_entropy"]
-
-
-def vocab_cross_entropy(local, logits, ids, hit, combine):
-    """Per-position loss from a block of the vocabulary: the shard's max, sum of exponentials and
-    target logit, combined over the shards by ``combine``, then log-sum-exp minus the target."""
-    m = local.max(logits, -1)  # (...): a shift, no gradient
-    se = local.sum(local.exp(logits - m[..., None]), -1)
-    picked = local.take_last(logits, ids) * local.cast(hit, logits)
-    m, se, picked = combine(m, se, picked)
-    return local.log(se) + m - picked
+__all__ = ["NumpyLocal", "PerRank", "PerRankLocal"]
 
 
 class NumpyLocal:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import triton_kernels
+from ...core.ops import vocab_cross_entropy
 from ...triton_kernels import Kernels, should_use_triton
 
 __all__ = ["TorchLocal"]
@@ -121,19 +122,12 @@ class TorchLocal:
         return einops.rearrange(x, pattern, **sizes)
 
     def vocab_cross_entropy(self, logits, ids, hit, combine):
-        if self.uses_triton(logits) and logits.ndim == 3:
-            def stats(m, se, picked):  # the kernel hands over (B, S) statistics
-                return combine(m, se, picked)
-
-            # The kernel's first vocab column is where ids (already local) count from: zero here,
-            # hits decided by the executor (ids outside the shard were set to 0 and masked).
+        if self.uses_triton(logits):
+            # ids are already local to the shard: the kernel's first column is 0, and a miss (-1)
+            # is outside it. ``combine`` runs in the kernel's forward, on (positions,) statistics.
             return triton_kernels.vocab_parallel_cross_entropy(logits, torch.where(hit, ids, -1), vocab_start=0,
-                                                               combine=stats)
-        m = self.max(logits, -1)  # (...): a shift, no gradient
-        se = torch.exp(logits - m[..., None]).sum(-1)
-        picked = self.take_last(logits, ids) * hit.to(logits.dtype)
-        m, se, picked = combine(m, se, picked)
-        return torch.log(se) + m - picked
+                                                               combine=combine)
+        return vocab_cross_entropy(self, logits, ids, hit, combine)
 
     def cross_entropy(self, logits, targets):
         if self.uses_triton(logits) and logits.ndim == 3:

@@ -33,12 +33,10 @@ CASES = [
     ("tiny-gqa", "dp", Mesh(dp=4), False),
     ("tiny-gqa", "zero1", Mesh(dp=4), True),
     ("tiny-gqa", "zero2", Mesh(dp=4), False),
-    ("tiny-gqa", "fsdp", Mesh(dp=4), False),
     ("tiny-gqa", "tp", Mesh(tp=4), False),
     ("tiny-gqa", "tp_sp", Mesh(tp=4), False),
     ("tiny-gqa", "ulysses", Mesh(sp=4), False),
     ("tiny-gqa", "tp2d", Mesh(row=2, col=2), False),
-    ("tiny-gqa", "dp+tp", Mesh(dp=2, tp=2), False),
     ("tiny-gqa", "fsdp+tp", Mesh(dp=2, tp=2), True),
     ("tiny-gpt2", "dp+tp_sp", Mesh(dp=2, tp=2), True),
     # 8 devices (random rule sets on 8 ranks: tests/test_differential.py)
