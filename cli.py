@@ -334,6 +334,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from .core.model import dataset_source
     from .training import CheckpointEvent, EvalEvent, StepEvent, dataset_of, run_train, spec_json
 
     mesh = parse_mesh(args.mesh)
@@ -347,7 +348,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     ckpt, init = _train_checkpoints(args, spec, program, console)
     what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
     console.print(f"{args.model}, {program.strategy.name} on {mesh}, {what}: {args.steps} steps of {args.batch} examples "
-                  f"of {describe() if callable(describe) else data.source}"
+                  f"of {describe() if callable(describe) else dataset_source(data)}"
                   + (f"; {baseline[0]} {baseline[1]:.3f}" if baseline else ""), soft_wrap=True)
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                TextColumn("{task.fields[eps]} examples/s"), TextColumn("eta"), TimeRemainingColumn())
@@ -375,7 +376,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
                   + (f" vs {baseline[0]} {baseline[1]:.4f}" if baseline else ""), soft_wrap=True)
     if args.json:
         report = {**spec_json(spec), "resumed_from": str(ckpt.path) if ckpt else None,
-                  "init_from": str(init.path) if init else None, "source": data.source,
+                  "init_from": str(init.path) if init else None, "source": dataset_source(data),
                   "baseline": {"name": baseline[0], "value": baseline[1]} if baseline else None,
                   "losses": result.losses, "eval": [{"step": t, "loss": l} for t, l in result.evals],
                   "seconds": result.seconds, "examples_per_s": result.examples_per_s(spec)}
@@ -415,9 +416,9 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
     p.add_argument("--model", default="tiny", help=_MODEL_HELP)
     p.add_argument("--mesh", default=mesh, required=mesh is None, help="mesh axes and sizes, e.g. dp=2,tp=4")
     p.add_argument("--strategy", default=strategy, required=strategy is None, help=_STRATEGY_HELP)
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--batch", type=int, default=batch)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=steps, help="training steps (AdamW updates)")
+    p.add_argument("--batch", type=int, default=batch, help="examples per step (global: split by the strategy)")
+    p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
@@ -446,9 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(run=_cmd_redistribute)
     t = sub.add_parser(
         "step", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="a few training steps of a model with a strategy, on random inputs",
-        description="Training steps of a model on random inputs: a smoke test of a strategy on a mesh. On the "
-                    "torch backend parlay starts one gloo process per rank itself.",
+        help="a few training steps of a model with a strategy, on one batch of random inputs",
+        description="Training steps of a model on one batch of random inputs (the same batch every step): a "
+                    "smoke test of a strategy on a mesh. On the torch backend parlay starts one gloo process per "
+                    "rank itself.",
     )
     _add_backend_flags(t)
     _add_run_flags(t, steps=5, batch=8)

@@ -1,4 +1,4 @@
-"""``parlay step``: a few training steps of a model on a backend, on random inputs.
+"""``parlay step``: a few training steps of a model on a backend, on one batch of random inputs.
 
 A smoke test of a strategy on a mesh: one line per step with the loss and the time. On the torch
 backend parlay starts one gloo process per rank itself.

@@ -18,7 +18,7 @@ import numpy as np
 
 from .core.loading import load_model, load_strategy
 from .core.mesh import Mesh
-from .core.model import Split
+from .core.model import Split, dataset_source
 from .core.optim import OptimizerConfig
 from .core.program import Program, make_program
 from .core.session import get_backend
@@ -130,6 +130,10 @@ def _check_model(ckpt, program: Program) -> None:
     where = f"{ckpt.path}/manifest.json: field 'model'"
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where} must be an object")
+    kind = lambda d: d.get("kind") if isinstance(d, dict) else None
+    if saved.get("ref") != want["ref"] and kind(saved.get("describe")) != kind(want["describe"]):
+        raise CheckpointError(f"{where}: the checkpoint holds {saved.get('ref') or 'another model'}, not --model "
+                              f"{want['ref']}" + (f"; resume with --model {saved['ref']}" if saved.get("ref") else ""))
     if saved.get("describe") is not None and want["describe"] is not None:
         a, b = saved["describe"], want["describe"]
         if a != b:
@@ -222,7 +226,7 @@ def train_loop(session, spec: TrainSpec, resume: str | None, init_from: str | No
             if not all(np.isfinite(a).all() for b in blocks.values() for a in b.values()):
                 raise TrainingDiverged(f"step {t + 1}: the parameters or optimizer states are no longer finite; "
                                        f"no checkpoint saved (lower --lr)")
-            checkpoint.save(spec.checkpoint_dir, t + 1, tensors, blocks, _meta(spec, program, count, history, data.source),
+            checkpoint.save(spec.checkpoint_dir, t + 1, tensors, blocks, _meta(spec, program, count, history, dataset_source(data)),
                             lead=session.lead, barrier=session.barrier, keep_last=spec.keep_last,
                             crash_hook=_crash_hook(t + 1))
             session.emit(CheckpointEvent(t + 1, str(checkpoint.step_dir(spec.checkpoint_dir, t + 1))))

@@ -454,6 +454,7 @@ class ShardedOps:
                              f"of shape {logits.shape[:-1]} (every dim but the last).")
         logits = self.complete(logits)
         targets = self.redistribute(self.complete(targets), loss_targets_layout(logits.layout, logits.ndim))
+        logits, targets = self._align(logits, targets)  # targets gathered from shards vary: the loss does too
         vocab = logits.layout.dim_axes(logits.ndim - 1)
         v_local = logits.shape[-1] // logits.layout.shard_count(logits.ndim - 1)
         ids = targets.local - self._index(vocab) * v_local

@@ -40,6 +40,8 @@ def _load_object(ref: str, what: str) -> Any:
         key = USER_PREFIX + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
         module = sys.modules.get(key)
         if module is None:
+            if str(resolved.parent) not in sys.path:  # the file may import its neighbours
+                sys.path.insert(0, str(resolved.parent))
             spec = importlib.util.spec_from_file_location(key, resolved)
             module = importlib.util.module_from_spec(spec)
             sys.modules[key] = module  # dataclasses and pickling look their module up by name
@@ -49,15 +51,19 @@ def _load_object(ref: str, what: str) -> Any:
                 del sys.modules[key]
                 raise
     else:
+        if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m`: the current folder first
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(path)
         except ImportError as e:
-            raise ValueError(f"{what} {ref!r}: cannot import {path!r} ({e}).") from None
+            raise ValueError(f"{what} {ref!r}: cannot import {path!r} ({e}); a module of yours must be importable "
+                             f"from the current folder or PYTHONPATH (or give FILE.py:NAME).") from None
     if not hasattr(module, name):
         public = sorted(n for n in vars(module) if not n.startswith("_"))
         raise ValueError(f"{what} {ref!r}: {path!r} has no {name!r} (it defines {', '.join(public[:12]) or 'nothing'}).")
     obj = getattr(module, name)
-    if callable(obj) and not _meets_model(obj) and not isinstance(obj, Strategy):  # a factory (or a class)
+    if isinstance(obj, type) or (callable(obj) and not _meets_model(obj) and not isinstance(obj, Strategy)):
+        # a factory, or a class: called with no arguments
         import inspect
 
         try:
@@ -84,7 +90,9 @@ def load_model(ref: str) -> tuple[Model, str | None]:
         raise ValueError(f"model {ref!r}: give a preset ({', '.join(PRESETS)}) or FILE.py:NAME / module:NAME.")
     if not is_reference(ref):
         if ref not in PRESETS:
-            raise ValueError(f"model {ref!r} is not a preset ({', '.join(PRESETS)}) nor FILE.py:NAME / module:NAME.")
+            hint = f" (write {ref}:NAME, NAME the model object or factory in it)" if ref.endswith(".py") else ""
+            raise ValueError(f"model {ref!r} is not a preset ({', '.join(PRESETS)}) nor FILE.py:NAME / "
+                             f"module:NAME{hint}.")
         return GPT(PRESETS[ref]), None
     obj = _load_object(ref, "model")
     return check_model(obj, where=f"model {ref!r}"), ref

@@ -32,7 +32,8 @@ import numpy as np
 from .layers import ParamDecl, init_params
 from .ops import Ops
 
-__all__ = ["DType", "Split", "InputDecl", "Model", "Dataset", "RandomData", "model_init", "check_model"]
+__all__ = ["DType", "Split", "InputDecl", "Model", "Dataset", "RandomData", "model_init", "check_model",
+           "dataset_source"]
 
 
 class DType(enum.Enum):
@@ -52,11 +53,12 @@ class Split(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class InputDecl:
     """One input array of a training step: global shape, logical dims, dtype. ``high``: integer
-    inputs lie in ``[0, high)`` (random batches are drawn there; e.g. a vocabulary size)."""
+    inputs lie in ``[0, high)`` (a vocabulary size, a number of classes): required for them,
+    since random batches are drawn there."""
 
     shape: tuple[int, ...]
     dims: tuple[str | None, ...]
-    dtype: DType = DType.INT32
+    dtype: DType
     high: int | None = None
 
     def __post_init__(self):
@@ -67,6 +69,9 @@ class InputDecl:
         if len(self.shape) != len(self.dims) or not self.shape:
             raise ValueError(f"InputDecl: shape {self.shape} and logical dims {self.dims} must have the same, non-zero "
                              f"number of dims (the first is the batch dim).")
+        if self.dtype is DType.INT32 and (not isinstance(self.high, int) or isinstance(self.high, bool) or self.high < 1):
+            raise ValueError(f"InputDecl {self.shape} of int32: give high= (its values lie in [0, high), e.g. the "
+                             f"number of classes), got high={self.high!r}.")
 
 
 @runtime_checkable
@@ -79,12 +84,17 @@ class Model(Protocol):
 
 
 class Dataset(Protocol):
-    """Batches indexed by step: ``batch_at(t, ...)`` is a function of (seed, t, split) alone, so a
-    resumed run on any backend reads what the uninterrupted one read."""
-
-    source: str
+    """Batches indexed by step: ``batch_at(t, batch, seed=..., split=...)`` returns one array per
+    input the model declares and is a function of (seed, t, split) alone, so a resumed run on any
+    backend reads what the uninterrupted one read. Optional: ``source`` (a short name),
+    ``describe()`` (a line for the log), ``baseline()`` ((name, loss) to compare with, e.g. the
+    unigram entropy or a uniform guess)."""
 
     def batch_at(self, step: int, batch: int, *, seed: int, split: Split = Split.TRAIN) -> dict[str, np.ndarray]: ...
+
+
+def dataset_source(data) -> str:
+    return str(getattr(data, "source", None) or type(data).__name__)
 
 
 class RandomData:
@@ -98,7 +108,7 @@ class RandomData:
         out = {}
         for name, d in self.model.inputs(batch).items():
             if d.dtype is DType.INT32:
-                out[name] = rng.integers(0, d.high or 2, d.shape).astype(np.int32)
+                out[name] = rng.integers(0, d.high, d.shape).astype(np.int32)
             else:
                 out[name] = rng.standard_normal(d.shape).astype(np.float32)
         return out

@@ -225,19 +225,25 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
             activations[dims] = Layout(mesh, spec)
 
     # A rule that matches nothing is a typo or a strategy meant for another model.
-    used = {n for d in decls for n in d.dims} | {n for d in inputs.values() for n in d.dims} | \
-           {n for dims, _ in tr.constraints for n in dims}
+    param_dims = {n for d in decls for n in d.dims if n is not None}
+    act_dims = {n for d in inputs.values() for n in d.dims if n is not None} | \
+               {n for dims, _ in tr.constraints for n in dims if n is not None}
     unmatched: dict[tuple, list[str]] = {}
     for role in Role:
+        vocab = act_dims if role is Role.ACTIVATIONS else param_dims
         for name, axes in strategy.rules(role).rules:
-            if name not in used and name not in strategy.generic:
-                roles = unmatched.setdefault((name, axes), [])
+            if name not in vocab and name not in strategy.generic:
+                roles = unmatched.setdefault((name, axes, role is Role.ACTIVATIONS), [])
                 if role.value not in roles:
                     roles.append(role.value)
-    dims_text = sorted(n for n in used if n is not None)
-    for (name, axes), roles in unmatched.items():
+    for (name, axes, act), roles in unmatched.items():
+        if act:
+            where = (f"no input or constraint point (ops.constrain) has a dim named {name!r}; the activation dims "
+                     f"are {sorted(act_dims)}")
+        else:
+            where = f"no parameter has a dim named {name!r}; the parameter dims are {sorted(param_dims)}"
         problems.add(f"rule ({name!r}, {_rule_text(axes)}) of strategy {strategy.name!r} ({', '.join(roles)}) matches "
-                     f"no tensor: the model's logical dims are {dims_text}; fix the name or drop the rule")
+                     f"no tensor: {where}; fix the name or drop the rule")
     # A mesh axis that shards nothing makes every rank along it compute the same thing.
     busy = {a for role in layouts.values() for l in role.values() for a in l.spec.axes} | \
            {a for l in activations.values() for a in l.spec.axes}
@@ -247,7 +253,9 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
             continue
         naming = [f"({n!r}, {_rule_text(ax)})" for n, ax in dict.fromkeys(
             (n, ax) for role in Role for n, ax in strategy.rules(role).rules if a in ax)]
-        hint = (f"the model's batch dim is named {batch_dims or 'nothing'}: map it to {a!r} (a rule "
+        batch_split = any(l.spec.dim_axes(0) for l in layouts[Role.ACTIVATIONS].values())
+        hint = ("map a dim of a parameter, an input or a constraint point to it, or drop the axis" if batch_split else
+                f"the model's batch dim is named {batch_dims or 'nothing'}: map it to {a!r} (a rule "
                 f"({(batch_dims or ['batch'])[0]!r}, {a!r})), or drop the axis")
         why = f"its rules {', '.join(naming)} match no dim of the model; {hint}" if naming else hint
         problems.add(f"mesh axis {a!r} (size {mesh.axis_size(a)}) shards no tensor under strategy {strategy.name!r}, "

@@ -17,7 +17,13 @@ from .layouts import parse_rearrange
 from .model import DType, Model
 from .ops import ELEMENTWISE, LogicalDims
 
-__all__ = ["Abstract", "ShapeOps", "Trace", "trace"]
+__all__ = ["Abstract", "ShapeOps", "Trace", "TraceError", "trace"]
+
+
+def _opaque(self, *args, **kwargs):
+    raise TypeError("parlay's tensors take no Python operators or numpy functions: every computation goes through "
+                    "the ops (ops.add, ops.mul, ops.scale, ops.add_bias, ops.relu, ops.einsum, ...; see "
+                    "parlay.core.ops.Ops), so that each backend can run it on its blocks.")
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,11 @@ class Abstract:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    # A model that computes on tensors directly would run here and fail on a backend's blocks.
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _opaque
+    __matmul__ = __rmatmul__ = __pow__ = __neg__ = __lt__ = __le__ = __gt__ = __ge__ = __getitem__ = _opaque
+    __array__ = __array_ufunc__ = __array_function__ = __float__ = __int__ = __bool__ = _opaque
 
 
 @dataclass
@@ -180,12 +191,41 @@ class ShapeOps:
         return Abstract(())
 
 
+class TraceError(ValueError):
+    """``model.loss`` failed on shapes; the message names the model's line."""
+
+
+def _where(tb) -> str:
+    """The innermost frame of the model's own code (not of parlay's ops machinery)."""
+    import os
+    import traceback
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    machinery = {os.path.join(here, f) for f in ("shapes.py", "einsum.py", "layouts.py", "ops.py", "rules.py",
+                                                  "spec.py", "program.py")}
+    frames = [f for f in traceback.extract_tb(tb) if os.path.abspath(f.filename) not in machinery]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename}:{f.lineno}, in {f.name}: {f.line})"
+
+
 def trace(model: Model, batch: int) -> Trace:
-    """``model.loss`` on shapes: parameters from ``decls()``, inputs from ``inputs(batch)``."""
+    """``model.loss`` on shapes: parameters from ``decls()``, inputs from ``inputs(batch)``. Any
+    error the model's code raises becomes one ``TraceError`` naming the model's line."""
     ops = ShapeOps()
     params = {d.name: Abstract(d.shape) for d in model.decls()}
     inputs = {k: Abstract(d.shape, d.dtype) for k, d in model.inputs(batch).items()}
-    out = model.loss(ops, params, inputs)
+    try:
+        out = model.loss(ops, params, inputs)
+    except Exception as e:
+        hint = ""
+        if isinstance(e, KeyError):
+            hint = (f"; params holds the parameters decls() declares ({', '.join(sorted(params)[:8])}"
+                    f"{', ...' if len(params) > 8 else ''}) and batch the inputs inputs() declares "
+                    f"({', '.join(sorted(inputs))})")
+        raise TraceError(f"model.loss failed while parlay traced it on shapes: {type(e).__name__}: {e}{hint}"
+                         f"{_where(e.__traceback__)}") from None
     if not isinstance(out, Abstract):
         raise TypeError(f"model.loss returned {type(out).__name__}; it must return the result of an op (the loss).")
     ops.trace.loss = out.shape

@@ -35,8 +35,11 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True)
 class Strategy:
-    """Rule sets per role. ``compute`` and ``grads`` default to ``params``; ``optimizer`` to
-    ``grads``. ``generic``: logical names whose rules may match no tensor of a model (a built-in
+    """Rule sets per role (each a ``Rules`` or a list of (logical name, mesh axes) pairs):
+    ``params`` (parameters as stored), ``compute`` (parameters where ``ops.param`` hands them to the
+    model; default: as stored; ``Rules()`` gathers them whole, FSDP's pattern), ``activations``
+    (the inputs and every ``ops.constrain`` point), ``grads`` (default: as ``params``) and
+    ``optimizer`` (AdamW's states; default: as ``grads``). ``generic``: logical names whose rules may match no tensor of a model (a built-in
     strategy covers the GPT's whole vocabulary, and a model without, say, a vocabulary is fine);
     in a user's strategy every rule must match some tensor (a typo is an error, not a silent
     replication)."""
@@ -48,6 +51,21 @@ class Strategy:
     optimizer: Rules | None = None
     grads: Rules | None = None
     generic: frozenset = field(default=frozenset(), compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"Strategy name must be a non-empty str, got {self.name!r}.")
+        for role in Role:
+            value = getattr(self, role.value)
+            if value is None and role in (Role.COMPUTE, Role.OPTIMIZER, Role.GRADS):
+                continue
+            if not isinstance(value, Rules):  # a list of (logical name, axes) pairs, or a mapping
+                try:
+                    object.__setattr__(self, role.value, Rules(value))
+                except TypeError as e:
+                    raise TypeError(f"Strategy {self.name!r}, {role.value}: {e} Give Rules([...]) or a list of "
+                                    f"(logical name, mesh axes) pairs.") from None
+        object.__setattr__(self, "generic", frozenset(self.generic))
 
     def rules(self, role: Role | str) -> Rules:
         role = Role(role)
@@ -149,9 +167,14 @@ def get_strategy(name: str | Strategy) -> Strategy:
     parts = [p.strip() for p in name.split("+")]
     unknown = [p for p in parts if p not in STRATEGIES]
     if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], list(STRATEGIES), n=1)
+        hint = (f" Did you mean {close[0]!r}?" if close else "") + (
+            " Your own strategy is FILE.py:NAME or package.module:NAME." if unknown[0].endswith(".py") else "")
         raise ValueError(
             f"unknown strategy {unknown[0]!r} in {name!r}; strategies are {', '.join(STRATEGIES)}, "
-            f"combined with '+' (e.g. 'dp+tp')."
+            f"combined with '+' (e.g. 'dp+tp').{hint}"
         )
     out = STRATEGIES[parts[0]]
     for p in parts[1:]:

@@ -204,7 +204,8 @@ class BisectReport:
 
     def lines(self) -> list[str]:
         out = [f"bisect of {self.backend} against the reference on the first batch ({self.ops} ops"
-               + (f", {self.collectives_checked} collectives checked against the simulator)" if self.collectives_checked else ")")]
+               + (f", {self.collectives_checked} collective{'s' if self.collectives_checked != 1 else ''} checked against the "
+                  f"simulator)" if self.collectives_checked else ")")]
         if self.structure:
             out.append(f"  the runs call different ops: {self.structure}")
         if self.first_op is not None:

@@ -19,23 +19,48 @@ from pathlib import Path
 import numpy as np
 from hypothesis import strategies as st
 
-from parlay import Mesh, Rules
+from parlay import DType, InputDecl, Mesh, ParamDecl, Rules
 from parlay.core.loading import load_model
+from parlay.core.model import RandomData
 from parlay.core.models.gpt import GPT, PRESETS
 from parlay.core.program import ProgramError, make_program
 from parlay.core.shapes import trace
 from parlay.core.strategies import Strategy
 
 REPO = Path(__file__).parents[1]
-MODELS = ("tiny", "tiny-gpt2-hf", "vit")
+MODELS = ("tiny", "tiny-gpt2-hf", "vit", "mlp")
 AXES = ("x", "y", "z")
 BATCH = 8
+
+
+class MLP:
+    """A classifier with no constraint point at all: its activations' layouts come from the
+    inputs' and the einsum rule alone (a reviewer's model found a variance gap this way)."""
+
+    def decls(self):
+        return (ParamDecl("fc1.w", (16, 32), ("feat_in", "hidden")), ParamDecl("fc1.b", (32,), ("hidden",)),
+                ParamDecl("fc2.w", (32, 8), ("hidden", "classes")))
+
+    def inputs(self, batch):
+        return {"x": InputDecl((batch, 16), ("samples", "feat_in"), DType.FLOAT32),
+                "y": InputDecl((batch,), ("samples",), DType.INT32, high=8)}
+
+    def loss(self, ops, params, batch):
+        p = lambda n, dims: ops.param(n, params[n], dims)
+        h = ops.einsum("bi,ih->bh", batch["x"], p("fc1.w", ("feat_in", "hidden")))
+        h = ops.relu(ops.add_bias(h, p("fc1.b", ("hidden",))))
+        return ops.cross_entropy(ops.einsum("bh,hc->bc", h, p("fc2.w", ("hidden", "classes"))), batch["y"])
+
+    def dataset(self, files=()):
+        return RandomData(self)
 
 
 @lru_cache(maxsize=None)
 def model(name: str):
     if name == "vit":
         return load_model(f"{REPO / 'examples' / 'vit.py'}:model")[0]
+    if name == "mlp":
+        return MLP()
     return GPT(PRESETS[name])
 
 
@@ -56,8 +81,13 @@ def inputs(name: str):
     from model_params import params_for
 
     m = model(name)
-    params = params_for(m) if name != "vit" else {k: (v + 0.02 * np.random.default_rng(1).standard_normal(v.shape)
-                                                      ).astype(np.float32) for k, v in m.init(0).items()}
+    if isinstance(m, GPT):
+        params = params_for(m)
+    else:  # biases and norm scales off 0 and 1
+        from parlay.core.model import model_init
+
+        params = {k: (v + 0.02 * np.random.default_rng(1).standard_normal(v.shape)).astype(np.float32)
+                  for k, v in model_init(m, 0).items()}
     make = getattr(m, "dataset", None)
     batch = make().batch_at(0, BATCH, seed=0)
     return params, batch

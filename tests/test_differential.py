@@ -120,6 +120,21 @@ def test_the_reported_bug_sequence_sharded_residual_agrees_everywhere():
         assert_agrees(case, *_run(backend, case), backend)
 
 
+def test_fsdp_and_tp_on_learned_and_tied_tables_agree_on_torch():
+    """The report's second case: fsdp+tp on a model with a learned or tied table (the ViT's
+    position table, GPT-2's tied embedding), on 4 gloo ranks in one spawn."""
+    from differential_cases import REPO
+    from parlay.backends.torch.launch import spawn
+    from parlay.core.loading import load_strategy
+
+    vit = str(REPO / "examples" / "vit.py")
+    cases = [("vit", load_strategy(f"{vit}:FSDP+{vit}:TP"), (("dp", 2), ("tp", 2))),
+             ("vit", load_strategy(f"{vit}:FSDP+{vit}:PATCHES"), (("dp", 2), ("sp", 2))),
+             ("tiny-gpt2-hf", load_strategy("fsdp+tp"), (("dp", 2), ("tp", 2)))]
+    for case, (loss, grads) in zip(cases, spawn(torch_cases, 4, cases, timeout_s=600)[0]):
+        assert_agrees(case, loss, grads, "torch")
+
+
 def test_skipping_the_variance_rule_before_a_slice_is_caught():
     """The bug class behind the report, planted: a slice of a shared value without ``vary``. The
     numpy simulator refuses the gradient (ranks holding one block disagree), torch's gradients

@@ -32,7 +32,7 @@ def _train(tmp_path, name, *flags):
     return json.loads(path.read_text())
 
 
-def test_the_example_trains_and_resumes_on_another_backend_strategy_and_mesh(tmp_path):
+def test_the_example_trains_and_resumes_on_another_backend_strategy_and_mesh(tmp_path, capsys):
     d = tmp_path / "ckpt"
     full = _train(tmp_path, "full", "--backend", "jax", "--strategy", f"{VIT}:DATA", "--mesh", "dp=4",
                   "--checkpoint-dir", str(d), "--checkpoint-every", "60")
@@ -46,3 +46,7 @@ def test_the_example_trains_and_resumes_on_another_backend_strategy_and_mesh(tmp
                      "--mesh", "dp=2,tp=2", "--checkpoint-dir", str(d), "--resume")
     np.testing.assert_allclose(resumed["losses"], full["losses"], rtol=1e-5)
     np.testing.assert_allclose([e["loss"] for e in resumed["eval"]], [e["loss"] for e in full["eval"]], rtol=1e-5)
+    # The checkpoint says how to rebuild its model: resuming it as another model is refused, naming it.
+    assert main(["train", "--backend", "jax", "--mesh", "dp=2", "--strategy", "dp", "--steps", "120",
+                 "--checkpoint-dir", str(d), "--resume"]) == 2
+    assert f"the checkpoint holds {VIT}:model, not --model tiny; resume with --model {VIT}:model" in capsys.readouterr().err

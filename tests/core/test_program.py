@@ -42,14 +42,19 @@ def test_a_rule_that_matches_no_tensor_is_an_error():
     with pytest.raises(ProgramError) as e:
         make_program(TINY, typo, Mesh(dp=2, tp=2), batch=8)
     assert e.value.problems == (
-        "rule ('mpl', 'tp') of strategy 'mine' (params, compute, optimizer, grads) matches no tensor: the model's "
-        "logical dims are ['attn_seq', 'batch', 'embed', 'heads', 'kv', 'kv_heads', 'mlp', 'proj_seq', 'seq', 'vocab']; "
-        "fix the name or drop the rule",
+        "rule ('mpl', 'tp') of strategy 'mine' (params, compute, optimizer, grads) matches no tensor: no parameter "
+        "has a dim named 'mpl'; the parameter dims are ['embed', 'heads', 'kv', 'kv_heads', 'mlp', 'vocab']; fix the "
+        "name or drop the rule",
         "mesh axis 'tp' (size 2) shards no tensor under strategy 'mine', so every rank along it would compute the same "
-        "thing; its rules ('mpl', 'tp') match no dim of the model; the model's batch dim is named ['batch']: map it to "
-        "'tp' (a rule ('batch', 'tp')), or drop the axis")
+        "thing; its rules ('mpl', 'tp') match no dim of the model; map a dim of a parameter, an input or a constraint "
+        "point to it, or drop the axis")
     # Built-in strategies are templates: tp's 'vocab' rule is fine on a model without a vocabulary.
     assert "vocab" in load_strategy("tp").generic
+    # A rule per role: 'feat' is a parameter dim, but no activation is named so (no constraint point).
+    act = Strategy("act", activations=[("batch", "dp"), ("feat", "tp")])
+    with pytest.raises(ProgramError, match=r"rule \('feat', 'tp'\) of strategy 'act' \(activations\) matches no tensor: "
+                                           r"no input or constraint point \(ops.constrain\) has a dim named 'feat'"):
+        make_program(_Classifier(input_dims=("batch", None)), act, Mesh(dp=2, tp=2), batch=4)
 
 
 def test_a_model_whose_batch_dim_no_rule_shards():
@@ -126,14 +131,15 @@ TP_ONLY = Strategy("tp_only", params=Rules([("heads", "tp")]))
 class _Classifier:
     """x (B, 6) -> logits (B, 3), a cross entropy: small enough to get each mistake in isolation."""
 
-    def __init__(self, *, batch_dim="batch", reduce=True, swap_dims=False, features=6):
+    def __init__(self, *, batch_dim="batch", reduce=True, swap_dims=False, features=6, input_dims=None):
         self.batch_dim, self.reduce, self.swap, self.features = batch_dim, reduce, swap_dims, features
+        self.input_dims = input_dims or (batch_dim, "feat")
 
     def decls(self):
         return (ParamDecl("w", (6, 3), ("feat", "cls")),)
 
     def inputs(self, batch):
-        return {"x": InputDecl((batch, self.features), (self.batch_dim, "feat"), DType.FLOAT32),
+        return {"x": InputDecl((batch, self.features), self.input_dims, DType.FLOAT32),
                 "y": InputDecl((batch,), (self.batch_dim,), DType.INT32, high=3)}
 
     def loss(self, ops, params, batch):
