@@ -36,7 +36,7 @@ __all__ = ["FORMAT", "VERSION", "CheckpointError", "Piece", "Checkpoint", "piece
            "write_file", "begin_save", "manifest_tensors", "save", "commit_save", "latest", "committed", "step_dir"]
 
 FORMAT = "parlay-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest's 'model' is {ref, describe, params} (1: a GPT's config)
 DTYPES = {"float32": np.float32, "int32": np.int32, "int64": np.int64}
 _DIR = re.compile(r"^step-(\d{8})$")
 _FILE = re.compile(r"^rank-\d{5}\.safetensors$")

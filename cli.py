@@ -153,17 +153,14 @@ def _check_counts(args) -> None:
 def _program(args, mesh: Mesh, backends: list[str], **extra):
     """The flags every command that runs the model shares, checked by building its Program:
     model and strategy (presets, built-ins or FILE.py:NAME / module:NAME), sizes, machine limits."""
-    from .core.loading import load_model, load_strategy
     from .core.optim import OptimizerConfig
-    from .core.program import make_program
+    from .core.program import program_from
     from .core.session import get_backend
 
     _check_counts(args)
     for name in backends:
         get_backend(name).prepare(mesh)
-    model, ref = load_model(args.model)
-    strategy = load_strategy(args.strategy)
-    return make_program(model, strategy, mesh, batch=args.batch, model_ref=ref or args.model,
+    return program_from(args.model, args.strategy, mesh, batch=args.batch,
                         optimizer=extra.get("optimizer", OptimizerConfig()))
 
 
@@ -517,6 +514,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _raised_by_parlay(e: BaseException) -> bool:
+    """Whether parlay's own checks raised ``e`` (its innermost frame is parlay's code): bad input,
+    one line; an error from inside numpy, torch or JAX is not."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return True
+    here = os.path.dirname(os.path.abspath(__file__))
+    last = os.path.abspath(frames[-1].filename)
+    return last.startswith(here + os.sep) and "site-packages" not in last
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     console = Console(markup=False, highlight=False)
     try:
@@ -529,6 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"parlay: {e}", file=sys.stderr)
         return 2
     except (ValueError, TypeError) as e:
+        if not _raised_by_parlay(e):
+            raise  # from inside a library: a bug to report, with its traceback
         print(f"parlay: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a rank that failed, a run that diverged: the run itself went wrong

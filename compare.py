@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .core.executor import Fault
-from .core.model import RandomData
+from .core.model import model_dataset
 from .core.program import Program
 from .core.session import BACKENDS, get_backend
 
@@ -59,7 +59,14 @@ def _rel(a: dict, b: dict, scale: dict) -> tuple[float, str]:
     return worst, name
 
 
-def run_steps(session, batches):
+def _rel_loss(a: float, b: float) -> float:
+    """|a - b| / |b|; a non-finite loss on either side is as far as it gets."""
+    if not (np.isfinite(a) and np.isfinite(b)):
+        return float("inf")
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def compare_steps(session, batches):
     """In every process of a run: step-1 gradients, then one AdamW step per batch; the final
     parameters."""
     _, grads = session.loss_and_grads(batches[0])
@@ -70,8 +77,7 @@ def run_steps(session, batches):
 def compare_batches(program: Program, steps: int, seed: int, data=None) -> list[dict]:
     """``steps`` batches of the model's dataset (or random inputs if it has none)."""
     if data is None:
-        make = getattr(program.model, "dataset", None)
-        data = make() if callable(make) else RandomData(program.model)
+        data = model_dataset(program.model, random=True)
     return [data.batch_at(t, program.batch, seed=seed) for t in range(steps)]
 
 
@@ -83,17 +89,17 @@ def run_compare(program: Program, *, steps: int, backends=BACKENDS, seed: int = 
     batches = compare_batches(program, steps, seed, data)
     start = program.init(seed) if params is None else params
     ref = get_backend(reference)
-    ref_losses, ref_grads, ref_params = ref.run(program, run_steps, batches, params=start, seed=seed)
+    ref_losses, ref_grads, ref_params = ref.run(program, compare_steps, batches, params=start, seed=seed)
     reference_run = BackendRun(reference, ref_losses, grads=ref_grads, params=ref_params)
     moved = {k: ref_params[k] - start[k] for k in start}
     runs = []
     for name in backends:
-        losses, grads, final = get_backend(name).run(program, run_steps, batches, params=start, seed=seed,
+        losses, grads, final = get_backend(name).run(program, compare_steps, batches, params=start, seed=seed,
                                                      timeout_s=900)
         run = BackendRun(name, losses, grads=grads, params=final)
         run.grad_diff, run.worst_grad = _rel(grads, ref_grads, ref_grads)
         run.param_diff, run.worst_param = _rel(final, ref_params, moved)
-        run.loss_diff = max(abs(a - b) / abs(b) if np.isfinite(a) else float("inf") for a, b in zip(losses, ref_losses))
+        run.loss_diff = max(_rel_loss(a, b) for a, b in zip(losses, ref_losses))
         run.agree = run.loss_diff <= tol.loss and run.grad_diff <= tol.grad and run.param_diff <= tol.param
         if not run.agree and bisect:
             from .bisection import bisect as bisect_run

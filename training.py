@@ -16,11 +16,10 @@ from typing import Callable
 
 import numpy as np
 
-from .core.loading import load_model, load_strategy
 from .core.mesh import Mesh
-from .core.model import Split, dataset_source
+from .core.model import Split, dataset_source, model_dataset
 from .core.optim import OptimizerConfig
-from .core.program import Program, make_program
+from .core.program import Program, program_from
 from .core.session import get_backend
 
 __all__ = ["TrainSpec", "TrainResult", "StepEvent", "EvalEvent", "CheckpointEvent", "TrainingDiverged", "run_train",
@@ -84,18 +83,12 @@ class TrainingDiverged(RuntimeError):
 
 
 def make_train_program(spec: TrainSpec) -> Program:
-    model, ref = load_model(spec.model)
-    return make_program(model, load_strategy(spec.strategy), Mesh(spec.mesh), batch=spec.batch,
-                        optimizer=spec.optimizer, model_ref=ref or spec.model)
+    return program_from(spec.model, spec.strategy, Mesh(spec.mesh), batch=spec.batch, optimizer=spec.optimizer)
 
 
 def dataset_of(model, files=()):
     """The model's dataset (``model.dataset(files)``), or one clear error."""
-    make = getattr(model, "dataset", None)
-    if not callable(make):
-        raise ValueError(f"model {type(model).__name__} has no dataset(): parlay train needs one (parlay compare and "
-                         f"parlay step draw random inputs instead); see parlay.core.model.")
-    return make(tuple(files))
+    return model_dataset(model, files)
 
 
 def model_meta(program: Program) -> dict:

@@ -5,14 +5,14 @@ axes it *varies* over. Every op asks the core what its operands must look like (
 ``plan_redistribute``, the rules in ``layouts.py``), runs those plans through the backend's
 ``Comm``, and computes on its blocks with the backend's ``LocalOps``.
 
-The variance rule (DESIGN.md) lives here and only here. A value varies over an axis when ranks
+The variance rule lives here and only here. A value varies over an axis when ranks
 along it may hold different values; its gradient there is then a per-rank contribution, summed
 where the value stops varying. A value invariant over an axis that meets a value varying over it
 goes through ``comm.vary`` (identity forward, a sum of the gradient backward). That one rule is
 where data-parallel gradient sums, Megatron's f operator and FSDP's reduce-scatter come from.
 Plan steps keep it too: a local slice of a value that is the same on every member of its group
 (replicated) first varies it, so the slice's transpose only pads with zeros and the sum happens
-once, in ``vary``'s backward; an all-reduce makes a value invariant over its axes; a point-to-point
+once, in ``vary``'s backward (fused into one all-gather where the slice covers the shared axes); an all-reduce makes a value invariant over its axes; a point-to-point
 permute moves a block to ranks that differ on every axis, so the value varies over all of them.
 
 A backend provides ``Comm`` (run a plan step with autograd, vary, psum, pmax, axis index) and
@@ -68,6 +68,10 @@ class Comm(Protocol):
     local: LocalOps
 
     def run_step(self, step: Step, x, plan_mesh: Mesh): ...
+
+    def slice_shared(self, step: LocalSlice, x, plan_mesh: Mesh):
+        """A local slice of a value every member of the group holds alike (invariant over the
+        step's axes): its transpose is an all-gather over them (``vary`` then the slice, fused)."""
 
     def vary(self, x, axes: tuple[str, ...], *, param: tuple[str, Layout] | None = None):
         """Identity forward; the gradient is summed over ``axes`` backward. ``param``: (name,
@@ -138,13 +142,13 @@ def group_members(params: Mapping[str, Sharded], dims: Mapping[str, LogicalDims]
 
 class ShardedOps:
     """``Ops`` on ``Sharded`` values through ``comm``. ``activation(dims, shape)`` and
-    ``compute(name, dims, shape)`` give the layouts of constraint points and of parameters in use;
+    ``compute(name)`` give the layouts of constraint points and of parameters in use;
     ``groups`` (name -> (group, [(name, value, dims) of its members])) gathers a group's
     parameters in one collective at its first use (FSDP's units); ``training`` turns dropout on,
     with ``rng``'s (seed, step)."""
 
     def __init__(self, comm: Comm, *, activation: Callable[[LogicalDims, tuple], Layout],
-                 compute: Callable[[str, LogicalDims, tuple], Layout], groups: Mapping[str, str] | None = None,
+                 compute: Callable[[str], Layout], groups: Mapping[str, str] | None = None,
                  hooks: Hooks | None = None, training: bool = True, rng: DropoutKey | None = None):
         self.comm, self.mesh, self.local = comm, comm.mesh, comm.local
         self._activation, self._compute = activation, compute
@@ -185,8 +189,9 @@ class ShardedOps:
 
     # -- moving data ---------------------------------------------------------------------------------
     def _run(self, plan: Plan, x: Sharded) -> Sharded:
-        if not plan.steps:  # the same data: keep the value (and a parameter's name)
-            return dataclasses.replace(x, layout=plan.dst)
+        if not plan.steps:  # the same data (the layouts differ by size-1 axes, if at all): keep the value,
+            # and a parameter's name only where its layout is the stored one (its gradient's bucket needs it)
+            return dataclasses.replace(x, layout=plan.dst, name=x.name if plan.dst == x.layout else None)
         hooks = self.hooks
         if hooks.plans is not None:
             hooks.plans.append(plan)
@@ -194,11 +199,17 @@ class ShardedOps:
         fault = hooks.fault
         for i, step in enumerate(plan.steps):
             base = {a.partition(".")[0] for a in getattr(step, "axes", ())}
+            run, dropped = self.comm.run_step, False
             if isinstance(step, LocalSlice) and not (fault and fault.kind == "skip-vary-before-slice"):
                 # A slice of a value the group's members share: vary it first, so the slice's
                 # transpose pads with zeros and the gradient is summed once, by vary's backward.
+                # Shared over exactly the axes it is sliced over (whole), the two fuse into one
+                # step whose transpose is an all-gather: half the bytes of vary's all-reduce.
                 missing = self._needs(base, varying)
-                if missing:
+                if missing and set(missing) == {a for a in base if self.mesh.axis_size(a) > 1} and \
+                        all(_covers(step.axes, a, plan.mesh) for a in missing):
+                    run = self.comm.slice_shared
+                elif missing:
                     local = self.comm.vary(local, missing)
                     varying |= set(missing)
             elif isinstance(step, Permute):
@@ -209,16 +220,14 @@ class ShardedOps:
                     varying |= set(missing)
             if (fault and fault.kind == "drop-all-reduce" and isinstance(step, AllReduce)
                     and (self.scope + ".").startswith(fault.layer + ".")):
-                out = local  # the addends stay as they were: still varying
+                out, dropped = local, True  # the addends stay as they were: still varying
             else:
-                out = self.comm.run_step(step, local, plan.mesh)
-            if out is local and isinstance(step, AllReduce):
-                pass
-            elif isinstance(step, AllReduce):
+                out = run(step, local, plan.mesh)
+            if isinstance(step, AllReduce) and not dropped:
                 # A sum over the group is the same on every member of it: invariant over every
                 # axis it sums over whole (a sum over part of an axis leaves the rest varying).
                 varying -= {a for a in base if _covers(step.axes, a, plan.mesh)}
-            else:
+            elif not isinstance(step, AllReduce):
                 varying |= base
             if hooks.tap is not None:
                 hooks.tap(plan, i, local, out)
@@ -259,14 +268,14 @@ class ShardedOps:
                 self._gather_group(members)
         if name in self._gathered:
             return self._gathered.pop(name)
-        return self.redistribute(value, self._compute(name, dims, value.shape))
+        return self.redistribute(value, self._compute(name))
 
     def _gather_group(self, members: Sequence[tuple[str, Sharded, LogicalDims]]) -> None:
         """FSDP's flat parameter: the parameters of one group whose plans are each one all-gather
         over the same axes are gathered in one collective; ``param`` then hands them out."""
         batches: dict = {}
         for name, value, dims in members:
-            target = self._compute(name, dims, value.shape)
+            target = self._compute(name)
             plan = plan_redistribute(value.layout, target, value.shape, itemsize=_itemsize(value.local))
             if len(plan.steps) == 1 and isinstance(plan.steps[0], AllGather) and plan.mesh == self.mesh:
                 batches.setdefault(plan.steps[0].axes, []).append((name, value, plan.steps[0].dim, target, plan))
@@ -276,7 +285,9 @@ class ShardedOps:
             if self.hooks.plans is not None:
                 self.hooks.plans.extend(item[4] for item in items)
             outs = self.comm.all_gather_many([v.local for _, v, _, _, _ in items], [d for _, _, d, _, _ in items], axes)
-            for (name, value, _, target, _), out in zip(items, outs):
+            for (name, value, _, target, plan), out in zip(items, outs):
+                if self.hooks.tap is not None:  # each tensor's part of the fused gather is its plan's one step
+                    self.hooks.tap(plan, 0, value.local, out)
                 self._gathered[name] = self._make(out, target, value.shape, value.varying | set(axes))
 
     def constrain(self, x: Sharded, dims: LogicalDims) -> Sharded:
@@ -295,10 +306,8 @@ class ShardedOps:
         return self._make(out, plan.out, plan.out_shape, moved[0].varying)
 
     def _same(self, x: Sharded, y: Sharded, op: str) -> tuple[Sharded, Sharded]:
-        """Both operands in one layout: x's, complete unless both hold the same pending sums."""
-        if x.shape != y.shape:
-            raise ValueError(f"{op}: shapes {x.shape} and {y.shape} differ; {op} is elementwise on equal shapes "
-                             f"(add_bias adds a tensor over trailing dims).")
+        """Both operands in one layout: x's, complete unless both hold the same pending sums (their
+        shapes were checked when the program traced the model)."""
         if x.layout != y.layout:
             x = self.complete(x)
             y = self.redistribute(self.complete(y), x.layout)
@@ -428,8 +437,6 @@ class ShardedOps:
     def dropout(self, x: Sharded, rate: float, *, key: str) -> Sharded:
         """The mask is a function of each element's global index: the same on every layout, so
         pending sums keep it too (dropout is linear in x)."""
-        if not 0 <= rate < 1:
-            raise ValueError(f"dropout rate {rate!r} must be in [0, 1).")
         if not self.training or rate == 0:
             return x
         local_shape = x.layout.local_shape(x.shape)

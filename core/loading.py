@@ -47,9 +47,14 @@ def _load_object(ref: str, what: str) -> Any:
             sys.modules[key] = module  # dataclasses and pickling look their module up by name
             try:
                 spec.loader.exec_module(module)
-            except BaseException:
+            except Exception as e:
                 del sys.modules[key]
-                raise
+                import traceback
+
+                frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(resolved)]
+                line = getattr(e, "lineno", None) or (frames[-1].lineno if frames else "?")
+                raise ValueError(f"{what} {ref!r}: running {file} failed: {type(e).__name__}: {e} (line {line})"
+                                 ) from None
     else:
         if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m`: the current folder first
             sys.path.insert(0, os.getcwd())

@@ -33,7 +33,7 @@ from .layers import ParamDecl, init_params
 from .ops import Ops
 
 __all__ = ["DType", "Split", "InputDecl", "Model", "Dataset", "RandomData", "model_init", "check_model",
-           "dataset_source"]
+           "dataset_source", "model_dataset"]
 
 
 class DType(enum.Enum):
@@ -91,6 +91,17 @@ class Dataset(Protocol):
     unigram entropy or a uniform guess)."""
 
     def batch_at(self, step: int, batch: int, *, seed: int, split: Split = Split.TRAIN) -> dict[str, np.ndarray]: ...
+
+
+def model_dataset(model: Model, files: Sequence[str] = (), *, random: bool = False):
+    """``model.dataset(files)``; where the model has none, random inputs (``random``) or one error."""
+    make = getattr(model, "dataset", None)
+    if callable(make):
+        return make(tuple(files))
+    if random:
+        return RandomData(model)
+    raise ValueError(f"model {type(model).__name__} has no dataset(): parlay train needs one (parlay compare and "
+                     f"parlay step draw random inputs instead); see parlay.core.model.")
 
 
 def dataset_source(data) -> str:

@@ -26,7 +26,7 @@ from .spec import Layout, P
 from .loading import load_strategy
 from .strategies import Role, Strategy
 
-__all__ = ["Program", "ProgramError", "make_program", "PARAM_ROLES"]
+__all__ = ["Program", "ProgramError", "make_program", "program_from", "PARAM_ROLES"]
 
 PARAM_ROLES = (Role.PARAMS, Role.COMPUTE, Role.GRADS, Role.OPTIMIZER)
 
@@ -71,12 +71,9 @@ class Program:
         layout.check(tuple(shape))
         return layout
 
-    def compute(self, name: str, dims: Sequence[str | None], shape: Sequence[int]) -> Layout:
-        layout = self.layouts[Role.COMPUTE].get(name)
-        if layout is None:
-            raise ProgramError(f"parameter {name!r} is not one of the model's:", [
-                f"the model asked for {name!r}, which decls() does not declare; declare every parameter"])
-        return layout
+    def compute(self, name: str) -> Layout:
+        """Where parameter ``name`` is handed to the model by ``ops.param`` (its compute layout)."""
+        return self.layouts[Role.COMPUTE][name]
 
     def init(self, seed: int = 0):
         return model_init(self.model, seed)
@@ -178,11 +175,19 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         raise ProgramError(headline, [f"strategy {strategy.name!r} uses mesh axes {list(strategy.axes)} but {mesh} "
                                       f"lacks {missing}; e.g. --mesh " + ",".join(f"{a}=2" for a in strategy.axes)])
     decls = tuple(model.decls())
+    wrong = [d for d in decls if not isinstance(d, ParamDecl)]
+    if wrong:
+        raise ProgramError(headline, [f"decls() must give ParamDecl(name, shape, dims) for each parameter, got "
+                                      f"{wrong[0]!r:.100}"])
     names = [d.name for d in decls]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ProgramError(headline, [f"the model declares parameter {dup[0]!r} twice; names must be unique"])
-    inputs = dict(model.inputs(batch))
+    inputs = model.inputs(batch)
+    if not isinstance(inputs, Mapping) or not all(isinstance(d, InputDecl) for d in inputs.values()):
+        raise ProgramError(headline, [f"inputs(batch) must give a mapping of input name to InputDecl(shape, dims, "
+                                      f"dtype), got {inputs!r:.100}"])
+    inputs = dict(inputs)
     for name, d in inputs.items():
         if d.shape[0] != batch:
             problems.add(f"input {name!r} has shape {d.shape} for batch {batch}; an input's first dim is the batch")
@@ -262,3 +267,15 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
                      f"so every rank along it would compute the same thing; {why}")
     problems.raise_if_any(headline)
     return Program(model, strategy, mesh, batch, optimizer, model_ref, fault, decls, inputs, layouts, activations, tr)
+
+
+def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
+                 optimizer: OptimizerConfig = OptimizerConfig(), fault: Fault | None = None) -> Program:
+    """``make_program`` from references: a preset or FILE.py:NAME / module:NAME, and built-in
+    strategy names or FILE.py:NAME references joined by '+' (the command line's --model and
+    --strategy); the program keeps the model's reference, to rebuild it elsewhere."""
+    from .loading import load_model
+
+    model, ref = load_model(model_ref)
+    return make_program(model, load_strategy(strategy_ref), mesh, batch=batch, optimizer=optimizer,
+                        model_ref=ref or model_ref, fault=fault)

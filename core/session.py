@@ -10,6 +10,7 @@ are written once against these and import no backend; ``get_backend(name)`` impo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Callable, Mapping, Protocol
 
@@ -21,7 +22,7 @@ from .program import Program
 from .spec import Layout
 from .strategies import Role
 
-__all__ = ["Session", "Backend", "BACKENDS", "REFERENCES", "get_backend", "sharded_params", "sharded_inputs",
+__all__ = ["Session", "Backend", "BACKENDS", "get_backend", "sharded_params", "sharded_inputs",
            "input_values", "check_batch", "make_executor", "scalar_loss", "LossVaries", "RunFailure"]
 
 
@@ -84,7 +85,6 @@ _REGISTRY: dict[str, tuple[str, str, dict]] = {
     "numpy-single": ("parlay.backends.numpy.session", "NumpyBackend", {"single": True}),
 }
 BACKENDS = ("torch", "jax", "jax-gspmd", "numpy")
-REFERENCES = ("jax-single", "torch-single", "numpy-single")
 
 
 def get_backend(name: str) -> Backend:
@@ -151,9 +151,9 @@ def make_executor(program: Program, comm, params: Mapping[str, Sharded], *, coal
     ``coalesce``, dropout keyed by (seed, step)."""
     from .executor import Hooks
 
-    hooks = hooks or Hooks()
-    if hooks.fault is None:
-        hooks.fault = program.fault
+    hooks = Hooks() if hooks is None else hooks
+    if hooks.fault is None and program.fault is not None:
+        hooks = dataclasses.replace(hooks, fault=program.fault)  # the caller's Hooks stay as they were
     return ShardedOps(comm, activation=program.activation, compute=program.compute,
                       groups=group_members(params, program.dims) if coalesce else None, hooks=hooks,
                       training=training, rng=DropoutKey(seed, step))

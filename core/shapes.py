@@ -44,11 +44,10 @@ class Abstract:
 @dataclass
 class Trace:
     """What one call of ``model.loss`` did: parameter uses (name, dims, shape), constraint points
-    (dims, shape) in call order, op names, and the loss's shape."""
+    (dims, shape) in call order, and the loss's shape."""
 
     params: list = field(default_factory=list)
     constraints: list = field(default_factory=list)
-    ops: list = field(default_factory=list)
     loss: tuple | None = None
 
 
@@ -56,11 +55,7 @@ class ShapeOps:
     def __init__(self):
         self.trace = Trace()
 
-    def _op(self, name: str) -> None:
-        self.trace.ops.append(name)
-
     def param(self, name: str, value: Abstract, dims: LogicalDims) -> Abstract:
-        self._op("param")
         if len(tuple(dims)) != value.ndim:
             raise ValueError(f"ops.param({name!r}): logical dims {tuple(dims)} name {len(tuple(dims))} dims but the "
                              f"parameter has shape {value.shape}.")
@@ -68,7 +63,6 @@ class ShapeOps:
         return value
 
     def constrain(self, x: Abstract, dims: LogicalDims) -> Abstract:
-        self._op("constrain")
         if isinstance(dims, str) or len(tuple(dims)) != x.ndim:
             raise ValueError(f"ops.constrain: logical dims {dims!r} must name each of the {x.ndim} dims of a tensor of "
                              f"shape {x.shape}.")
@@ -76,11 +70,9 @@ class ShapeOps:
         return x
 
     def constant(self, value) -> Abstract:
-        self._op("constant")
         return Abstract(tuple(np.shape(value)))
 
     def einsum(self, equation: str, *operands: Abstract) -> Abstract:
-        self._op("einsum")
         terms, out = parse_einsum(equation, len(operands))
         size: dict[str, int] = {}
         for i, (t, o) in enumerate(zip(terms, operands)):
@@ -92,7 +84,6 @@ class ShapeOps:
         return Abstract(tuple(size[c] for c in out))
 
     def _same(self, op: str, x: Abstract, y: Abstract) -> Abstract:
-        self._op(op)
         if x.shape != y.shape:
             raise ValueError(f"{op}: shapes {x.shape} and {y.shape} differ; {op} is elementwise on equal shapes "
                              f"(add_bias adds a tensor over trailing dims).")
@@ -105,24 +96,21 @@ class ShapeOps:
         return self._same("mul", x, y)
 
     def add_bias(self, x: Abstract, b: Abstract) -> Abstract:
-        self._op("add_bias")
         if b.ndim > x.ndim or x.shape[x.ndim - b.ndim:] != b.shape:
             raise ValueError(f"add_bias: the bias has shape {b.shape}, not x's trailing dims (x: {x.shape}).")
         return x
 
     def scale(self, x: Abstract, c: float) -> Abstract:
-        self._op("scale")
         if not isinstance(c, (int, float)) or isinstance(c, bool):
             raise TypeError(f"scale: c must be a Python number, got {c!r}.")
         return x
 
     def __getattr__(self, name: str):
         if name in ELEMENTWISE:
-            return lambda x: (self._op(name), x)[1]
+            return lambda x: x
         raise AttributeError(f"ShapeOps has no op {name!r}; the ops a model may call are parlay.core.ops.Ops'")
 
     def _dim(self, op: str, x: Abstract, dim: int) -> int:
-        self._op(op)
         if not -x.ndim <= dim < x.ndim:
             raise ValueError(f"{op}: dim {dim} is out of range for shape {x.shape}.")
         return dim % x.ndim
@@ -140,7 +128,6 @@ class ShapeOps:
         return Abstract(x.shape[:d] + x.shape[d + 1:], x.dtype)
 
     def _norm(self, op: str, x: Abstract, *params: Abstract) -> Abstract:
-        self._op(op)
         for p in params:
             if p.shape != x.shape[-1:]:
                 raise ValueError(f"{op}: a scale or bias of shape {p.shape} for x of shape {x.shape}; they are (D,) "
@@ -154,19 +141,16 @@ class ShapeOps:
         return self._norm("layer_norm", x, scale, bias)
 
     def embed(self, table: Abstract, tokens: Abstract) -> Abstract:
-        self._op("embed")
         if table.ndim != 2 or tokens.dtype is not DType.INT32:
             raise ValueError(f"embed: a (V, E) table and int ids, got shape {table.shape} and {tokens.dtype.value} ids.")
         return Abstract(tokens.shape + (table.shape[1],))
 
     def rotary(self, x: Abstract, cos: Abstract, sin: Abstract) -> Abstract:
-        self._op("rotary")
         if x.ndim != 4 or cos.shape != (x.shape[1], x.shape[3] // 2) or sin.shape != cos.shape:
             raise ValueError(f"rotary: x is (B, S, H, D) and the tables (S, D/2); got {x.shape}, {cos.shape}, {sin.shape}.")
         return x
 
     def attention(self, q: Abstract, k: Abstract, v: Abstract, *, causal: bool = True) -> Abstract:
-        self._op("attention")
         if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] \
                 or q.shape[2] % k.shape[2]:
             raise ValueError(f"attention: q (B, S, H, D), k and v (B, S, Hkv, D) with Hkv dividing H; got {q.shape}, "
@@ -174,17 +158,14 @@ class ShapeOps:
         return q
 
     def dropout(self, x: Abstract, rate: float, *, key: str) -> Abstract:
-        self._op("dropout")
         if not 0 <= rate < 1:
             raise ValueError(f"dropout rate {rate!r} must be in [0, 1).")
         return x
 
     def rearrange(self, x: Abstract, pattern: str, **sizes: int) -> Abstract:
-        self._op("rearrange")
         return Abstract(parse_rearrange(pattern, x.shape, sizes).out_shape, x.dtype)
 
     def cross_entropy(self, logits: Abstract, targets: Abstract) -> Abstract:
-        self._op("cross_entropy")
         if targets.shape != logits.shape[:-1] or targets.dtype is not DType.INT32:
             raise ValueError(f"cross_entropy: logits {logits.shape} need int targets of shape {logits.shape[:-1]}, got "
                              f"{targets.dtype.value} {targets.shape}.")

@@ -248,6 +248,11 @@ class BisectReport:
 
 def compare_probes(backend: str, reference: list[Probe], probes: list[Probe], *, ref_grads=None, grads=None,
                    grad_order: Sequence[str] = (), grad_tol: float = 1e-4) -> BisectReport:
+    """``probes`` may end with the recording's plan steps outside any op (index -1): their
+    collectives are checked with the others; only op calls are matched with the reference."""
+    checked = probes
+    reference = [p for p in reference if p.index >= 0]
+    probes = [p for p in probes if p.index >= 0]
     report = BisectReport(backend, len(probes))
     for a, b in zip(reference, probes):
         if a.op != b.op:
@@ -264,7 +269,7 @@ def compare_probes(backend: str, reference: list[Probe], probes: list[Probe], *,
             report.first_op, report.first_op_rel = b, rel
             report.reference_stats, report.backend_stats = _stats(a.value), _stats(b.value, b)
             break
-    for p in probes:
+    for p in checked:
         report.collectives_checked += len(p.steps)
         bad = next((c for c in p.steps if not c.ok), None)
         if bad is not None and report.first_collective is None:

@@ -2,7 +2,7 @@
 tests/ on sys.path, and spawned torch ranks inherit it).
 
 A case is (model name, Strategy, mesh axes). Rules are drawn per role over the model's own
-logical names and one to three axes x, y, z (sizes 2, 4 or 8, at most 8 ranks): a name maps to nothing, one axis
+logical names and one to three axes x, y, z (sizes 1, 2, 4 or 8, at most 8 ranks): a name maps to nothing, one axis
 or a tuple of two (a dim split over several axes), each mapped name with a fallback to replicated.
 Parameters in use are either where they are stored, gathered whole (FSDP's pattern: a gather
 whose transpose is a reduce-scatter), or elsewhere (a re-slice); gradients and optimizer states
@@ -125,12 +125,12 @@ def _attempt(draw):
     used = [a for a in AXES if a in strategy.axes]
     sizes, room = [], 8
     for _ in used:
-        options = [n for n in (2, 4, 8) if n <= room]
+        options = [n for n in (1, 2, 2, 4, 4, 8) if n <= room]  # an axis of size 1 now and then
         if not options:
             return None
         sizes.append(draw(st.sampled_from(options)))
         room //= sizes[-1]
-    if not used:
+    if not used or all(n == 1 for n in sizes):
         return None
     axes = tuple(zip(used, sizes))
     try:
@@ -163,12 +163,19 @@ def describe(case) -> str:
     return f"{name} on {dict(axes)}: " + "; ".join(f"{r}={v!r}" for r, v in roles.items() if v is not None)
 
 
+def loss_grads_step(session, batch):
+    """The loss and gradients of a batch, then one AdamW step on it: the parameters after."""
+    loss, grads = session.loss_and_grads(batch)
+    session.step(batch)
+    return loss, grads, session.params()
+
+
 def torch_cases(rank, cases_):
-    """On every rank of one spawn: loss and global gradients of each case of this world size."""
+    """On every rank of one spawn: ``loss_grads_step`` of each case of this world size."""
     from parlay.backends.torch.session import TorchSession
 
     out = []
     for case in cases_:
         params, batch = inputs(case[0])
-        out.append(TorchSession(program(case), params).loss_and_grads(batch))
+        out.append(loss_grads_step(TorchSession(program(case), params), batch))
     return out if rank == 0 else None

@@ -65,7 +65,7 @@ def test_keep_last_prunes_only_older_committed_checkpoints(tmp_path):
     assert [p.name for p in d.iterdir()] and sorted(p.name for p in d.iterdir()) == ["step-00000006", "step-00000008"]
 
 
-@pytest.mark.parametrize("stage", ["before-manifest", "before-rename"])
+@pytest.mark.parametrize("stage", [pytest.param("before-manifest", marks=pytest.mark.exhaustive), "before-rename"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_resume_works(tmp_path, stage):
     d = tmp_path / "ckpt"
     flags = ["--backend", "jax", "--mesh", "dp=2,tp=2", "--strategy", "dp+tp"]

@@ -74,7 +74,7 @@ def test_bisect_of_agreeing_runs_finds_nothing():
     (["compare", "--drop-all-reduce", "blocks.0.mlp", "--backends", "jax-gspmd"],
      "parlay: --drop-all-reduce plants its fault in the sharded executor (torch, jax, numpy)"),
     (["compare", "--backends", "jax,jax"], "parlay: --backends 'jax,jax' names a backend twice"),
-    (["compare", "--mesh", "dp=2", "--strategy", "dp", "--steps", "1", "--backends", "jax", "--plot", "",
+    (["compare", "--mesh", "dp=2", "--strategy", "dp", "--steps", "1", "--backends", "numpy", "--plot", "",
       "--drop-all-reduce", "blocks.0.mlp"], "parlay: --drop-all-reduce blocks.0.mlp: no forward all-reduce ran in that layer"),
 ])
 def test_bad_flags(argv, message, capsys):

@@ -49,6 +49,10 @@ class JaxComm:
             self.log.record(step.kind, axes, collective_bytes(step.kind, n, x.size, x.dtype.itemsize))
         return out
 
+    def slice_shared(self, step, x, plan_mesh):
+        # JAX tracks variance itself: the slice of an invariant value transposes to its sum.
+        return self.run_step(step, self.vary(x, tuple({a.partition(".")[0] for a in step.axes})), plan_mesh)
+
     def vary(self, x, axes, *, param=None):
         names = tuple(n for n in self.atoms.names(axes) if n not in _vma(x))
         return lax.pcast(x, names, to="varying") if names else x

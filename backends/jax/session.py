@@ -118,7 +118,7 @@ class JaxSession:
         p = self.program
         wsc = jax.lax.with_sharding_constraint
         constrain = lambda x, dims: wsc(x, self._sharding(p.activation(dims, x.shape)))
-        param = lambda name, x, dims: wsc(x, self._sharding(p.compute(name, dims, x.shape)))
+        param = lambda name, x, dims: wsc(x, self._sharding(p.compute(name)))
         return DenseOps(JaxLocal(), constrain=constrain, param=param, training=training, rng=rng)
 
     def _loss(self, params, batch, step=0, training: bool = True, wrap_ops=None):
@@ -340,6 +340,7 @@ class JaxSession:
         for probe in probes:
             probe.pieces = blocks.get(("op", probe.index), {})
             assemble(probe, world)
+        probes = probes + holder["rec"].outside
         for n, (probe, plan, i) in enumerate(pending):
             before, after = blocks.get(("in", n), {}), blocks.get(("out", n), {})
             probe.steps.append(check_step(plan, i, [before[r] for r in range(world)], [after[r] for r in range(world)]))

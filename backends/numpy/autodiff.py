@@ -8,6 +8,7 @@ obviously right (every rule is a few lines of textbook calculus), not fast.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Sequence
 
 import numpy as np
@@ -16,16 +17,20 @@ __all__ = ["Var", "value", "custom", "grad", "einsum", "exp", "log", "tanh", "rs
            "take_last", "reshape", "transpose", "concat", "repeat", "stop"]
 
 
+_created = itertools.count()
+
+
 class Var:
     """An array in the computation graph. ``parents``: the Vars it was made from; ``vjp(g)``
     returns their cotangents (None where there is none)."""
 
-    __slots__ = ("value", "parents", "vjp")
+    __slots__ = ("value", "parents", "vjp", "n")
     __array_priority__ = 1000  # numpy operators defer to Var's
 
     def __init__(self, value, parents: Sequence["Var"] = (), vjp: Callable | None = None):
         self.value = np.asarray(value)
         self.parents, self.vjp = tuple(parents), vjp
+        self.n = next(_created)  # creation order: cotangents are summed in it (see grad)
 
     shape = property(lambda self: self.value.shape)
     dtype = property(lambda self: self.value.dtype)
@@ -263,17 +268,27 @@ def grad(outs: Var | Sequence[Var], leaves: Sequence[Var], seeds=None) -> list[n
         seen.add(id(node))
         stack.append((node, True))
         stack.extend((p, False) for p in node.parents if id(p) not in seen)
-    grads: dict[int, np.ndarray] = {}
-    for o, s in zip(outs, seeds):
-        grads[id(o)] = grads[id(o)] + s if id(o) in grads else s
+    # Each node's cotangent is the sum of its consumers' contributions, added in the consumers'
+    # creation order: the same order on every rank of a simulated mesh (ranks build their graphs
+    # op by op in step), so replicas of a gradient come out with the same bits.
+    parts: dict[int, list] = {}
+    for i, (o, s) in enumerate(zip(outs, seeds)):
+        parts.setdefault(id(o), []).append((-1 - i, s))
     keep = {id(leaf) for leaf in leaves}
+    done: dict[int, np.ndarray] = {}
     for node in reversed(order):
-        g = grads.get(id(node)) if id(node) in keep else grads.pop(id(node), None)
-        if g is None or node.vjp is None:
+        contributions = parts.pop(id(node), None)
+        if contributions is None:
+            continue
+        contributions.sort(key=lambda c: c[0])
+        g = contributions[0][1]
+        for _, more in contributions[1:]:
+            g = g + more
+        if id(node) in keep:
+            done[id(node)] = g
+        if node.vjp is None:
             continue
         for p, pg in zip(node.parents, node.vjp(g)):
-            if pg is None:
-                continue
-            pg = np.asarray(pg, dtype=p.value.dtype)
-            grads[id(p)] = grads[id(p)] + pg if id(p) in grads else pg
-    return [grads.get(id(leaf)) for leaf in leaves]
+            if pg is not None:
+                parts.setdefault(id(p), []).append((node.n, np.asarray(pg, dtype=p.value.dtype)))
+    return [done.get(id(leaf)) for leaf in leaves]

@@ -70,6 +70,11 @@ class NumpyComm:
             raise TypeError(f"{step!r} is not a plan step")
         return _collective(x, fwd, back)
 
+    def slice_shared(self, step: LocalSlice, x: PerRank, plan_mesh: Mesh) -> PerRank:
+        """The slice of a value the group shares: its transpose gathers every member's piece."""
+        return _collective(x, lambda vals: step_on_mesh(step, vals, plan_mesh),
+                           lambda g: step_on_mesh(AllGather(step.axes, step.dim), g, plan_mesh))
+
     def _pad(self, g, step: LocalSlice, plan_mesh: Mesh):
         """A slice's transpose: each rank's cotangent in its own piece, zeros elsewhere."""
         out = list(g)

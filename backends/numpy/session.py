@@ -17,7 +17,7 @@ from ...core.ops import DenseOps, DropoutKey
 from ...core.optim import AdamState, adamw_update
 from ...core.pieces import owned_blocks, pieces_of, rank_file
 from ...core.program import Program
-from ...core.session import make_executor, scalar_loss, sharded_inputs, sharded_params
+from ...core.session import check_batch, make_executor, scalar_loss, sharded_inputs, sharded_params
 from ...core.sim import gather, scatter
 from ...core.spec import Layout
 from ...core.strategies import Role
@@ -67,7 +67,7 @@ class NumpySession:
             leaves = {k: ad.Var(v) for k, v in self._params.items()}
             ops = DenseOps(NumpyLocal(), training=training, rng=rng)
             ops = wrap(ops) if wrap is not None else ops
-            inputs = {k: np.asarray(batch[k], d.dtype.numpy) for k, d in model.inputs(p.batch).items()}
+            inputs = check_batch(p, batch)
             return [model.loss(ops, leaves, inputs)], {k: [v] for k, v in leaves.items()}, None
         comm = NumpyComm(p.mesh)
         leaves = {k: [ad.Var(b) for b in scatter(v, p.layouts[Role.PARAMS][k])] for k, v in self._params.items()}
@@ -149,7 +149,7 @@ class NumpySession:
             return holder["rec"]
 
         self._forward(batch, training=False, wrap=wrap)
-        return holder["rec"].probes
+        return holder["rec"].probes + holder["rec"].outside
 
     def barrier(self) -> None:
         pass

@@ -3,7 +3,7 @@
 all-gather <-> reduce-scatter, all-to-all <-> the reverse all-to-all, a local slice -> zero
 padding (its input varies over the sliced axes: the executor varies a shared value first),
 all-reduce -> identity, a permute <-> the reverse permute. ``vary`` is the variance rule of
-DESIGN.md: identity forward, all-reduce backward; the executor decides where it goes.
+the executor: identity forward, all-reduce backward; the executor decides where it goes.
 
 Group members follow the plan's order (first axis major); torch orders a group by global rank,
 so chunks are permuted between the two where they differ.
@@ -18,7 +18,7 @@ from ...core import AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, P
 from ...core.log import CollectiveLog, Source
 from .mesh import TorchMesh
 
-__all__ = ["run_step", "run_plan", "vary", "all_reduce", "all_max", "all_gather_many"]
+__all__ = ["run_step", "run_plan", "vary", "all_reduce", "all_max", "all_gather_many", "slice_shared"]
 
 
 class _Ctx:
@@ -148,6 +148,23 @@ class _LocalSlice(torch.autograd.Function):
         out = g.new_zeros(ctx.shape)
         out.narrow(ctx.dim, ctx.c.index * g.shape[ctx.dim], g.shape[ctx.dim]).copy_(g)
         return out, None, None
+
+
+class _SharedSlice(torch.autograd.Function):
+    """A slice of a value every member holds alike: its gradient gathers every member's piece."""
+
+    @staticmethod
+    def forward(ctx, x, dim, c):
+        ctx.dim, ctx.c = dim, c
+        return x.chunk(c.n, dim)[c.index].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.c, True), None, None
+
+
+def slice_shared(step: LocalSlice, x: torch.Tensor, tm: TorchMesh, plan_mesh, log: CollectiveLog | None):
+    return _SharedSlice.apply(x, step.dim, _Ctx(tm, step.axes, plan_mesh, log))
 
 
 def _permute(x: torch.Tensor, pairs, rank: int) -> torch.Tensor:

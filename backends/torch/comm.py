@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...core.log import CollectiveLog
-from .collectives import all_gather_many, all_max, all_reduce, run_step, vary
+from .collectives import all_gather_many, all_max, all_reduce, run_step, slice_shared, vary
 from .grad_sync import GradSync, vary_param
 from .mesh import TorchMesh
 from .ops import TorchLocal
@@ -22,6 +22,9 @@ class TorchComm:
 
     def run_step(self, step, x: torch.Tensor, plan_mesh) -> torch.Tensor:
         return run_step(step, x, self.tm, plan_mesh, self.log)
+
+    def slice_shared(self, step, x: torch.Tensor, plan_mesh) -> torch.Tensor:
+        return slice_shared(step, x, self.tm, plan_mesh, self.log)
 
     def vary(self, x: torch.Tensor, axes, *, param=None) -> torch.Tensor:
         if param is not None and self.grad_sync is not None and x.is_leaf and x.requires_grad:

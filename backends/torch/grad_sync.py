@@ -37,6 +37,7 @@ class GradSync:
         self._open: dict[tuple, list] = {}  # axes -> [(param, grad)]
         self._sizes: dict[tuple, int] = {}
         self._inflight: list = []  # (work, flat, [(param, numel)])
+        self._queued = False
 
     def reduce_to_layout(self, name: str, layout: Layout, grad: torch.Tensor, axes: tuple[str, ...]) -> None:
         plan = plan_redistribute(layout.replace(partial=axes), self.grad_layouts[name],
@@ -70,8 +71,16 @@ class GradSync:
             self.log.record(Kind.ALL_REDUCE, axes, 2 * (n - 1) * flat.numel() // n * flat.element_size(), True, Source.OP)
         self._inflight.append((work, flat, [(p, g.numel()) for p, g in entries]))
 
+    def queue_finish(self) -> None:
+        """Have autograd call ``finish`` when this backward pass ends (as DDP does), so a plain
+        ``loss.backward()`` on the session's module syncs the gradients too."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
     def finish(self) -> None:
-        """Wait for every bucket and set each parameter's gradient to its sum."""
+        """Wait for every bucket and set each parameter's gradient to its sum (idempotent)."""
+        self._queued = False
         for axes in sorted(self._open):
             self._flush(axes)
         for work, flat, params in self._inflight:
@@ -95,6 +104,7 @@ class _VaryParam(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        ctx.sync.queue_finish()
         if ctx.sync.wants_layout(ctx.name, ctx.layout):
             ctx.sync.reduce_to_layout(ctx.name, ctx.layout, g, ctx.axes)
             return None, None, None, None, None  # the gradient lives in sync.sharded only

@@ -234,15 +234,15 @@ class TorchSingleSession:
 # -- one rank of a mesh -------------------------------------------------------------------------------------
 
 def _assemble(local: torch.Tensor, layout: Layout, shape) -> np.ndarray:
-    """The global array from every rank's block of ``layout`` (a collective: every rank calls it)."""
-    import torch.distributed as dist
+    """The global array from every rank's block of ``layout`` (a collective: every rank calls it).
+    Ranks holding the same block must hold the same bits (``core.sim.gather``): a gradient whose
+    replicas differ is a variance bug, refused here as on the numpy backend."""
+    from ...core.sim import gather
 
-    pieces = [torch.empty_like(local) for _ in range(layout.mesh.size)]
-    dist.all_gather(pieces, local.contiguous())
-    full = np.empty(shape, np.float32)
-    for r, sl in enumerate(layout.shard_slices(shape)):
-        full[sl] = pieces[r].cpu().numpy()
-    return full
+    try:
+        return gather(_blocks(local, layout.mesh.size), layout)
+    except ValueError as e:
+        raise AssertionError(f"the replicas of a tensor of shape {tuple(shape)} in {layout} differ: {e}") from None
 
 
 def _blocks(local: torch.Tensor, world: int) -> list[np.ndarray]:
@@ -256,8 +256,9 @@ def _blocks(local: torch.Tensor, world: int) -> list[np.ndarray]:
 
 class ShardedModule(torch.nn.Module):
     """This rank's stored parameter blocks as a ``torch.nn.Module``, named as the model declares
-    them (``blocks.0.attn.wq`` is ``module.blocks[0]``... as nested modules ``blocks.0.attn``):
-    ``module(batch)`` is the loss."""
+    them (``blocks.0.attn.wq`` lives in nested modules ``blocks.0.attn``): ``module(batch)`` is the
+    loss, and a plain ``loss.backward()`` leaves every gradient summed (the buckets finish when
+    autograd does); ZeRO-2's sharded gradients are in ``session.grads()``."""
 
     def __init__(self, session: "TorchSession", blocks: Mapping[str, torch.Tensor]):
         super().__init__()
@@ -322,15 +323,14 @@ class TorchSession:
         sp = sharded_params(p, self.local)
         sb = sharded_inputs(p, batch, place)
         hooks, self.hooks = self.hooks, None
+        if self.grad_sync is not None and torch.is_grad_enabled():
+            self.grad_sync.sharded.clear()  # a new forward: the last backward's sharded gradients are spent
         ops = make_executor(p, comm, sp, coalesce=self.coalesce, hooks=hooks, training=training, step=self.count,
                             seed=self.seed)
-        self.last_ops = ops
         return scalar_loss(ops, p.model.loss(wrap(ops) if wrap is not None else ops, sp, sb))
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, then wait for the bucketed gradient sums."""
-        if self.grad_sync is not None:
-            self.grad_sync.sharded.clear()
         loss.backward()
         if self.grad_sync is not None:
             self.grad_sync.finish()
@@ -371,7 +371,8 @@ class TorchSession:
             grads = self.grads()
             for k, m in self.master.items():
                 g, layout = grads[k]
-                if k not in self.shared:
+                if k not in self.shared or layout != lay[Role.OPTIMIZER][k]:
+                    # the optimizer's own shard (ZeRO), or a gradient that went to its own layout
                     m.grad = self._move(k, g, layout, lay[Role.OPTIMIZER][k]).clone()
                 opt_layout = lay[Role.OPTIMIZER][k]
                 copies = mesh.size // int(np.prod([opt_layout.shard_count(d) for d in range(m.ndim)]))
@@ -480,4 +481,4 @@ class TorchSession:
 
         with torch.no_grad():
             self.loss(batch, training=False, wrap=wrap)
-        return holder["rec"].probes if self.lead else None
+        return holder["rec"].probes + holder["rec"].outside if self.lead else None

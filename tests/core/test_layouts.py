@@ -1,6 +1,6 @@
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from layout_strategies import layouts, meshes
@@ -71,7 +71,7 @@ def test_rearrange_layouts(pattern, shape, sizes, spec, target, out):
 MESH2 = Mesh(dp=2, tp=4)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(st.data())
 def test_rearrange_on_blocks_is_the_global_rearrange(data):
     """First principles: rearranging each rank's block of the target layout (with local sizes)
@@ -88,7 +88,7 @@ def test_rearrange_on_blocks_is_the_global_rearrange(data):
     try:
         layout.check(shape)
     except ValueError:
-        return
+        assume(False)
     r = parse_rearrange(pattern, shape, sizes)
     target, out, local = rearrange_layouts(r, layout)
     x = np.arange(np.prod(shape)).reshape(shape)

@@ -133,8 +133,7 @@ def test_bad_combinations_fail_before_anything_runs():
 # gradients on both modes; the AdamW steps above are the same code for any parameters. (zero1's
 # loss and gradients are dp's by definition: it differs only in the optimizer's layout.)
 # (Random rule sets on this preset, on every backend: tests/test_differential.py.)
-HF_CASES = [("zero2", Mesh(dp=4)), ("tp_sp", Mesh(tp=4)), ("ulysses", Mesh(sp=4)), ("tp2d", Mesh(row=2, col=2)),
-            ("fsdp+tp", Mesh(dp=2, tp=2))]
+HF_CASES = [("tp_sp", Mesh(tp=4)), ("tp2d", Mesh(row=2, col=2)), ("fsdp+tp", Mesh(dp=2, tp=2))]
 
 
 @pytest.fixture(scope="module")
