@@ -173,10 +173,13 @@ class ShardedOps:
 
     def _vary_to(self, x: Sharded, axes) -> Sharded:
         missing = self._needs(axes, x.varying)
+        # Varying over an axis of size 1 changes nothing but the account (JAX keeps the same one).
+        trivial = {a for a in axes if a not in x.varying and self.mesh.has_axis(a) and self.mesh.axis_size(a) == 1}
         if not missing:
-            return x
+            return dataclasses.replace(x, varying=x.varying | trivial) if trivial else x
         param = (x.name, x.layout) if x.name is not None else None
-        return Sharded(self.comm.vary(x.local, missing, param=param), x.layout, x.shape, x.varying | set(missing))
+        return Sharded(self.comm.vary(x.local, missing, param=param), x.layout, x.shape,
+                       x.varying | set(missing) | trivial)
 
     def _align(self, *xs: Sharded) -> list[Sharded]:
         union = frozenset().union(*(x.varying for x in xs))
@@ -249,7 +252,7 @@ class ShardedOps:
         contribute the whole gradient, so the copies are averaged: psum(loss / n) over those axes
         (identity forward, each copy's gradient 1/n backward)."""
         x = self.complete(x)
-        axes = self._needs(x.varying, ())
+        axes = tuple(a for a in self.mesh.axis_names if a in x.varying)  # size-1 axes too: invariant everywhere
         if not axes:
             return x
         n = self.mesh.group_size(axes)

@@ -57,11 +57,21 @@ class JaxComm:
         names = tuple(n for n in self.atoms.names(axes) if n not in _vma(x))
         return lax.pcast(x, names, to="varying") if names else x
 
+    def _reduced(self, x, axes) -> tuple[str, ...]:
+        """The atoms to reduce ``x`` over: a size-1 atom ``x`` does not vary over is left out (a
+        sum over one member is the identity, and JAX refuses one over an invariant axis)."""
+        sizes = dict(self.atoms.atom_axes)
+        vma = _vma(x)
+        return tuple(n for n in self.atoms.names(axes) if n in vma or sizes[n] > 1)
+
     def psum(self, x, axes):
-        return lax.psum(x, self.atoms.names(axes))
+        names = self._reduced(x, axes)
+        return lax.psum(x, names) if names else x
 
     def pmax(self, x, axes):
-        return lax.stop_gradient(lax.pmax(lax.stop_gradient(x), self.atoms.names(axes)))
+        names = self._reduced(x, axes)
+        x = lax.stop_gradient(x)
+        return lax.stop_gradient(lax.pmax(x, names)) if names else x
 
     def axis_index(self, axes):
         return lax.axis_index(self.atoms.names(axes))
