@@ -132,8 +132,12 @@ def test_bad_combinations_fail_before_anything_runs():
 # Hugging Face's GPT-2 (learned positions, biases, tied embedding): every strategy's loss and
 # gradients on both modes; the AdamW steps above are the same code for any parameters. (zero1's
 # loss and gradients are dp's by definition: it differs only in the optimizer's layout.)
-# (Random rule sets on this preset, on every backend: tests/test_differential.py.)
-HF_CASES = [("tp_sp", Mesh(tp=4)), ("tp2d", Mesh(row=2, col=2)), ("fsdp+tp", Mesh(dp=2, tp=2))]
+# (Random rule sets on this preset, on every backend: tests/test_differential.py; so tp_sp and
+# tp2d run only under `make test-all`.)
+_LATER = pytest.mark.exhaustive
+HF_CASES = [pytest.param("tp_sp", Mesh(tp=4), marks=_LATER, id="tp_sp-4"),
+            pytest.param("tp2d", Mesh(row=2, col=2), marks=_LATER, id="tp2d-2x2"),
+            pytest.param("fsdp+tp", Mesh(dp=2, tp=2), id="fsdp+tp-2x2")]
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +151,7 @@ def hf_reference():
 
 
 @pytest.mark.parametrize("mode", [Mode.GSPMD, Mode.EXPLICIT], ids=lambda m: m.value)
-@pytest.mark.parametrize("strategy, mesh", HF_CASES, ids=[f"{s}-{'x'.join(map(str, m.sizes))}" for s, m in HF_CASES])
+@pytest.mark.parametrize("strategy, mesh", HF_CASES)
 def test_hf_gpt2_preset_equals_single_device(hf_reference, strategy, mesh, mode):
     """Biases on partial sums (added on one addend), the position table, and the embedding used
     twice (its gradient is the sum of both uses). Measured: loss 9e-8 relative, gradients 2e-6
