@@ -16,8 +16,7 @@ setup: $(STAMP)
 
 # parlay's main job on its default: the same GPT, weights and batches on one device, on torch
 # (4 gloo ranks), on JAX (explicit and GSPMD) and on the numpy mesh simulator, dp+tp on dp=2,tp=2;
-# prints the agreement table
-# and writes out/compare.png.
+# prints the agreement table and writes out/compare.png.
 demo: $(STAMP)
 	$(BIN)/parlay compare
 

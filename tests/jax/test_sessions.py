@@ -129,14 +129,13 @@ def test_bad_combinations_fail_before_anything_runs():
         session.step(_batch(model.config, batch=6))
 
 
-# Hugging Face's GPT-2 (learned positions, biases, tied embedding): every strategy's loss and
-# gradients on both modes; the AdamW steps above are the same code for any parameters. (zero1's
-# loss and gradients are dp's by definition: it differs only in the optimizer's layout.)
-# (Random rule sets on this preset, on every backend: tests/test_differential.py; so tp_sp and
-# tp2d run only under `make test-all`.)
-_LATER = pytest.mark.exhaustive
-HF_CASES = [pytest.param("tp_sp", Mesh(tp=4), marks=_LATER, id="tp_sp-4"),
-            pytest.param("tp2d", Mesh(row=2, col=2), marks=_LATER, id="tp2d-2x2"),
+# Hugging Face's GPT-2 (learned positions, biases, tied embedding): loss and gradients on both
+# modes; the AdamW steps above are the same code for any parameters. (zero1's loss and gradients
+# are dp's by definition: it differs only in the optimizer's layout.) Random rule sets on this
+# preset run on every backend in tests/test_differential.py, so tp_sp and tp2d here run only under
+# `make test-all`.
+HF_CASES = [pytest.param("tp_sp", Mesh(tp=4), marks=pytest.mark.exhaustive, id="tp_sp-4"),
+            pytest.param("tp2d", Mesh(row=2, col=2), marks=pytest.mark.exhaustive, id="tp2d-2x2"),
             pytest.param("fsdp+tp", Mesh(dp=2, tp=2), id="fsdp+tp-2x2")]
 
 
