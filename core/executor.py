@@ -216,11 +216,12 @@ class ShardedOps:
                     local = self.comm.vary(local, missing)
                     varying |= set(missing)
             elif isinstance(step, Permute):
-                # Blocks move to ranks that differ on any axis: the value varies over all of them.
+                # Blocks move to ranks that differ on any axis: the value varies over all of them
+                # (size-1 axes too, in the account: JAX's permute over every axis counts them).
                 missing = self._needs(self.mesh.axis_names, varying)
                 if missing:
                     local = self.comm.vary(local, missing)
-                    varying |= set(missing)
+                varying |= set(self.mesh.axis_names)
             if (fault and fault.kind == "drop-all-reduce" and isinstance(step, AllReduce)
                     and (self.scope + ".").startswith(fault.layer + ".")):
                 out, dropped = local, True  # the addends stay as they were: still varying

@@ -133,6 +133,16 @@ def test_the_reported_bug_sequence_sharded_residual_agrees_everywhere():
         assert_agrees(case, *_run(backend, case), backend)
 
 
+def test_a_permute_on_a_mesh_with_a_size_1_axis_agrees_on_jax():
+    """Found by the random rule sets: a parameter stored over x used over z (a permute) on
+    x=4,y=1,z=2. JAX's permute counts y in the value's variance; the executor's account did not,
+    and JAX explicit refused the step (VarianceMismatch)."""
+    case = ("tiny", Strategy("permute", params=Rules([("embed", "x")]), compute=Rules([("embed", "z")]),
+                             activations=Rules()), (("x", 4), ("y", 1), ("z", 2)))
+    for backend in ("jax", "numpy"):
+        assert_agrees(case, *_run(backend, case), backend)
+
+
 def test_fsdp_and_tp_on_learned_and_tied_tables_agree_on_torch():
     """The report's second case: fsdp+tp on a model with a learned or tied table (the ViT's
     position table, GPT-2's tied embedding), on 4 gloo ranks in one spawn."""
