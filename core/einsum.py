@@ -87,16 +87,15 @@ def plan_einsum(equation: str, layouts: Sequence[Layout], shapes: Sequence[Seque
             raise TypeError(f"plan_einsum: operand {i}'s layout is {l!r} ({type(l).__name__}), not a parlay.Layout.")
     if len(layouts) != len(shapes):
         raise ValueError(f"plan_einsum: {len(layouts)} layouts but {len(shapes)} shapes; give one shape per operand.")
+    _check_operands(equation, layouts, shapes)  # before the cache: it ignores a spec's written length
     return _plan_einsum(equation, layouts, shapes, itemsize)
 
 
-@lru_cache(maxsize=1024)
-def _plan_einsum(equation, layouts, shapes, itemsize) -> EinsumPlan:
+def _check_operands(equation, layouts, shapes) -> tuple[list[str], str, dict[str, int]]:
+    """(terms, output letters, size of each letter) of operands that fit the equation."""
     terms, out = parse_einsum(equation, len(layouts))
     mesh = layouts[0].mesh
     for i, l in enumerate(layouts):
-        if not isinstance(l, Layout):
-            raise TypeError(f"plan_einsum: operand {i}'s layout is {type(l).__name__}, not a parlay.Layout.")
         if l.mesh != mesh:
             raise ValueError(f"plan_einsum: operand {i} is on {l.mesh} but operand 0 on {mesh}; use one mesh.")
     size: dict[str, int] = {}
@@ -107,6 +106,13 @@ def _plan_einsum(equation, layouts, shapes, itemsize) -> EinsumPlan:
         for c, n in zip(t, shape):
             if size.setdefault(c, n) != n:
                 raise ValueError(f"einsum {equation!r}: letter {c!r} has size {size[c]} and {n} in different operands.")
+    return terms, out, size
+
+
+@lru_cache(maxsize=1024)
+def _plan_einsum(equation, layouts, shapes, itemsize) -> EinsumPlan:
+    terms, out, size = _check_operands(equation, layouts, shapes)
+    mesh = layouts[0].mesh
 
     letters = sorted(size, key=lambda c: (equation.index(c), c))
     options: dict[str, list[tuple[str, ...]]] = {}

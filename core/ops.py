@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["Ops", "LocalOps", "LogicalDims", "DenseOps", "ELEMENTWISE", "dropout_keep", "DropoutKey",
+__all__ = ["Ops", "LocalOps", "LogicalDims", "DenseOps", "ELEMENTWISE", "dropout_keep", "DropoutKey", "step_words",
            "vocab_cross_entropy"]
 
 LogicalDims = Sequence[str | None]
@@ -154,14 +154,25 @@ def vocab_cross_entropy(local: LocalOps, logits, ids, hit, combine: Callable):
 
 
 class DropoutKey:
-    """What a dropout mask depends on besides the element: (seed, step). ``step`` may be a traced
-    scalar (JAX) or an int."""
+    """What a dropout mask depends on besides the element: (seed, step). ``step`` is an int (any
+    size: its low and high 32-bit words both key the mask, so step 2**32 + t is not step t) or,
+    traced under JAX, the int32 pair ``step_words(t)``."""
 
-    __slots__ = ("seed", "step")
+    __slots__ = ("seed", "step", "step_hi")
 
     def __init__(self, seed: int = 0, step: Any = 0):
         self.seed = np.int32(_i32(int(seed)))
-        self.step = np.int32(_i32(int(step))) if isinstance(step, (int, np.integer)) else step
+        if isinstance(step, (int, np.integer)):
+            step = step_words(int(step))
+        self.step, self.step_hi = step[0], step[1]
+
+
+def step_words(step: int) -> np.ndarray:
+    """A step count (0 <= step < 2**64) as its (low, high) 32-bit words, int32: what a jitted
+    function takes in place of an int that would overflow int32 after 2**31 steps."""
+    if not 0 <= step < 1 << 64:
+        raise ValueError(f"step {step} is outside [0, 2**64); a step counts updates from 0.")
+    return np.array([_i32(step), _i32(step >> 32)], np.int32)
 
 
 def _i32(v: int) -> int:
@@ -184,12 +195,13 @@ def _mix(h):
 
 def dropout_keep(coords: Sequence[Any], rate: float, key: str, rng: DropoutKey):
     """The keep mask (bool) at global ``coords`` (one int32 index array per dim, broadcastable):
-    ``hash(seed, step, key, coords) >= rate * 2**24`` on its top 24 bits."""
+    ``hash(seed, step, key, coords) >= rate * 2**24`` on its top 24 bits (``step`` as two words)."""
     import zlib
 
     words = coords[0] * 0 + np.int32(_i32(zlib.crc32(key.encode())))
     words = _mix(words ^ rng.seed)
     words = _mix(words ^ rng.step)
+    words = _mix(words ^ rng.step_hi)
     for c in coords:
         words = _mix(words ^ c)
     return ((words >> 8) & 0xFFFFFF) >= int(round(rate * (1 << 24)))

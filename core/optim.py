@@ -43,18 +43,15 @@ class OptimizerConfig:
     def constant(self) -> bool:
         return self.warmup == 0 and self.decay_steps == 0
 
-    def lr_at(self, t, xp=math):
-        """The learning rate of update ``t`` (0-based); ``xp`` is ``math`` or ``jax.numpy`` (traced)."""
+    def lr_at(self, t: int) -> float:
+        """The learning rate of update ``t`` (0-based, a Python int of any size), in float64:
+        every backend computes it on the host, so no int32 count bounds the schedule."""
         lr = self.lr
         if self.warmup:
-            lr = lr * xp.minimum(1.0, (t + 1) / self.warmup) if xp is not math else lr * min(1.0, (t + 1) / self.warmup)
+            lr = lr * min(1.0, (t + 1) / self.warmup)
         if self.decay_steps > self.warmup:
-            span = self.decay_steps - self.warmup
-            if xp is math:
-                progress = min(max((t - self.warmup) / span, 0.0), 1.0)
-            else:
-                progress = xp.clip((t - self.warmup) / span, 0.0, 1.0)
-            lr = lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + xp.cos(math.pi * progress)))
+            progress = min(max((t - self.warmup) / (self.decay_steps - self.warmup), 0.0), 1.0)
+            lr = lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
         return lr
 
 

@@ -364,16 +364,14 @@ def plan_redistribute(src: Layout, dst: Layout, shape: Sequence[int], itemsize: 
         raise TypeError(f"plan_redistribute takes two parlay.Layout, got {type(src).__name__} and {type(dst).__name__}.")
     if isinstance(itemsize, bool) or not isinstance(itemsize, numbers.Integral) or itemsize < 1:
         raise ValueError(f"itemsize={itemsize!r}; it is the bytes per element, a positive int (4 for float32).")
-    return _plan(src, dst, normalize_shape(shape), int(itemsize))
-
-
-@lru_cache(maxsize=2048)
-def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> Plan:
+    shape = normalize_shape(shape)
     if src.mesh != dst.mesh:
         raise ValueError(
             f"src is on {src.mesh} but dst on {dst.mesh}; a redistribution moves data within one mesh. "
             f"Build both layouts on the same mesh."
         )
+    # Checked before the cache: equal layouts share a plan, but a spec's written length (which
+    # Layout equality ignores) decides whether it fits the shape.
     src.check(shape)
     dst.check(shape)
     missing = [a for a in dst.partial if a not in src.partial]
@@ -383,6 +381,12 @@ def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> Pl
             f"pending sum cannot be made from a complete value. Drop {missing} from dst's partial "
             f"axes (or start from a layout that is partial over them)."
         )
+    return _plan(src, dst, shape, int(itemsize))
+
+
+@lru_cache(maxsize=2048)
+def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> Plan:
+    """The search, on layouts ``plan_redistribute`` checked."""
     mesh, ndim = src.mesh, len(shape)
     involved = set(src.spec.axes) | set(src.partial) | set(dst.spec.axes) | set(dst.partial)
     atoms = _Atoms.of(mesh, involved)

@@ -105,8 +105,46 @@ def simulate_step(step: Step, shards: Sequence[np.ndarray], layout: Layout) -> l
     return step_on_mesh(step, shards, layout.mesh)
 
 
+_STEPS = (AllGather, ReduceScatter, AllReduce, AllToAll, LocalSlice, Permute)
+
+
+def _check_step(step: Step, shards: Sequence[np.ndarray], mesh) -> None:
+    """One clear error for a step that does not fit its per-rank inputs (not numpy's IndexError)."""
+    if not isinstance(step, _STEPS):
+        raise TypeError(f"simulate_step: {step!r} is not a plan step; steps are "
+                        f"{', '.join(t.__name__ for t in _STEPS)} (a Plan's .steps).")
+    if len(shards) != mesh.size:
+        raise ValueError(f"simulate_step: got {len(shards)} shards for {mesh} with {mesh.size} ranks; pass one "
+                         f"array per rank, in rank order.")
+    local = np.shape(shards[0])
+    for r, x in enumerate(shards):
+        if np.shape(x) != local:
+            raise ValueError(f"simulate_step: rank {r} holds shape {np.shape(x)} but rank 0 holds {local}; a "
+                             f"layout's blocks are even, so every rank holds the same shape.")
+    if isinstance(step, Permute):
+        bad = [r for pair in step.pairs for r in pair if not 0 <= r < mesh.size]
+        if bad:
+            raise ValueError(f"simulate_step: {step} names rank {bad[0]}, but {mesh} has ranks 0..{mesh.size - 1}.")
+        return
+    n = mesh.group_size(step.axes)
+    if isinstance(step, AllToAll):
+        dims, split = (step.split_dim, step.concat_dim), step.split_dim
+    elif isinstance(step, AllReduce):
+        dims, split = (), None
+    else:
+        dims, split = (step.dim,), None if isinstance(step, AllGather) else step.dim
+    for d in dims:
+        if not 0 <= d < len(local):
+            raise ValueError(f"simulate_step: {step} on shards of shape {local}, which have no dim {d}; pass the "
+                             f"shards of the layout before this step.")
+    if split is not None and local[split] % n:
+        raise ValueError(f"simulate_step: {step} splits dim {split} of the shards' shape {local} into {n} pieces; "
+                         f"its size is not divisible by {n}; pass the shards of the layout before this step.")
+
+
 def step_on_mesh(step: Step, shards: Sequence[np.ndarray], mesh) -> list[np.ndarray]:
     """Execute one step on per-rank arrays of ``mesh`` (the plan's mesh: its axes may be sub-axes)."""
+    _check_step(step, shards, mesh)
     out = list(shards)
     if isinstance(step, Permute):
         for src, dst in step.pairs:
@@ -133,8 +171,6 @@ def step_on_mesh(step: Step, shards: Sequence[np.ndarray], mesh) -> list[np.ndar
         elif isinstance(step, LocalSlice):
             for k, r in enumerate(group):
                 out[r] = np.split(shards[r], n, axis=step.dim)[k]
-        else:
-            raise TypeError(f"simulate_step: {step!r} is not a plan step.")
     return out
 
 

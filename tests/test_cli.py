@@ -96,6 +96,12 @@ def test_step_says_every_reason_a_strategy_cannot_run(capsys):
      "parlay: --ranks is the number of torch processes; jax runs in this process"),
     (["step", "--backend", "numpy", "--mesh", "dp=2", "--strategy", "dp", "--mode", "gspmd"],
      "parlay: --mode gspmd chooses JAX's execution mode; it does nothing with --backend numpy"),
+    (["step", "--backend", "jax", "--mode", "gspmd", "--mesh", "dp=2", "--strategy", "dp", "--ranks", "2"],
+     "parlay: --ranks is the number of torch processes; jax-gspmd runs in this process"),
+    (["step", "--mesh", "dp=2", "--strategy", "dp", "--mode", "explicit"],  # torch: the default backend
+     "parlay: --mode explicit chooses JAX's execution mode; it does nothing with --backend torch"),
+    (["step", "--backend", "torch", "--mesh", "dp=2", "--strategy", "dp", "--mode", "gspmd"],
+     "parlay: --mode gspmd chooses JAX's execution mode; it does nothing with --backend torch"),
 ])
 def test_step_bad_arguments(argv, message, capsys):
     assert main(argv) == 2

@@ -8,7 +8,9 @@
   redistribution is a core plan on ``lax`` collectives; JAX differentiates it.
 
 The optimizer (optax: global-norm clipping, AdamW, the schedule of ``OptimizerConfig``) runs under
-``jit`` on the global arrays in every mode.
+``jit`` on the global arrays in every mode. The update count is a Python int on the host: the
+step takes its learning rate and its dropout key (``step_words``) as arguments, so no int32
+counter wraps or saturates after 2**31 updates.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ...core import Layout
 from ...core.log import CollectiveLog
-from ...core.ops import DenseOps, DropoutKey
+from ...core.ops import DenseOps, DropoutKey, step_words
 from ...core.optim import OptimizerConfig
 from ...core.pieces import Piece, box, piece_key, rank_file
 from ...core.program import Program
@@ -50,10 +52,14 @@ class Mode(enum.Enum):
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    lr = cfg.lr if cfg.constant else (lambda count: cfg.lr_at(count, jnp))  # count: updates done so far
+    """optax.adamw without its learning rate: the step subtracts ``cfg.lr_at(count) * update``,
+    the rate computed on the host as numpy and torch compute it (optax's schedule would count
+    updates in int32). Adam's own int32 count only sets the bias corrections, which are 1 in
+    float32 long before it saturates at 2**31 - 1."""
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip),
-        optax.adamw(lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay),
+        optax.scale_by_adam(b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps),
+        optax.add_decayed_weights(cfg.weight_decay),
     )
 
 
@@ -121,7 +127,7 @@ class JaxSession:
         param = lambda name, x, dims: wsc(x, self._sharding(p.compute(name)))
         return DenseOps(JaxLocal(), constrain=constrain, param=param, training=training, rng=rng)
 
-    def _loss(self, params, batch, step=0, training: bool = True, wrap_ops=None):
+    def _loss(self, params, batch, step, training: bool = True, wrap_ops=None):
         if self.mode is Mode.EXPLICIT:
             return self._explicit_loss(params, batch, step, training, wrap_ops)
         ops = self._dense_ops(training, step)
@@ -143,7 +149,7 @@ class JaxSession:
         in_specs = ({k: spec(Role.PARAMS, k) for k in params}, {k: spec(Role.ACTIVATIONS, k) for k in batch},
                     PartitionSpec())
         return jax.shard_map(local, mesh=self.jax_mesh, in_specs=in_specs, out_specs=PartitionSpec())(
-            params, batch, jnp.asarray(step, jnp.int32))
+            params, batch, step)
 
     def _loss_and_grads(self, params, batch, step, training: bool = True):
         loss, grads = jax.value_and_grad(self._loss)(params, batch, step, training)
@@ -152,10 +158,10 @@ class JaxSession:
             grads = {k: jax.lax.with_sharding_constraint(g, self._sharding(layouts[k])) for k, g in grads.items()}
         return loss, grads
 
-    def _train_step(self, state, batch, step):
+    def _train_step(self, state, batch, step, lr):
         loss, grads = self._loss_and_grads(state["params"], batch, step)
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        params = jax.tree.map(lambda p, u: p - lr * u, state["params"], updates)
         if self.mode is not Mode.SINGLE:
             layouts = self.program.layouts[Role.PARAMS]
             params = {k: jax.lax.with_sharding_constraint(v, self._sharding(layouts[k])) for k, v in params.items()}
@@ -181,20 +187,24 @@ class JaxSession:
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.jax_mesh, PartitionSpec()))
 
     # -- the Session contract ----------------------------------------------------------------------------
+    def _step_args(self, batch):
+        """The jitted step's arguments besides the state: the batch, the step's two words, the rate."""
+        return self._place_batch(batch), step_words(self.count), np.float32(self.program.optimizer.lr_at(self.count))
+
     def step(self, batch) -> float:
-        self.state, loss = self._step(self.state, self._place_batch(batch), jnp.int32(self.count))
+        self.state, loss = self._step(self.state, *self._step_args(batch))
         self.count += 1
         return float(fetch(loss))
 
     def step_hlo(self, batch) -> str:
         """The optimized HLO of the compiled training step (benchmarks read its collectives)."""
-        return self._step.lower(self.state, self._place_batch(batch), jnp.int32(self.count)).compile().as_text()
+        return self._step.lower(self.state, *self._step_args(batch)).compile().as_text()
 
     def eval_loss(self, batch) -> float:
-        return float(fetch(self._eval(self.state["params"], self._place_batch(batch), jnp.int32(self.count))))
+        return float(fetch(self._eval(self.state["params"], self._place_batch(batch), step_words(self.count))))
 
     def loss_and_grads(self, batch):
-        loss, grads = self._grads(self.state["params"], self._place_batch(batch), jnp.int32(self.count))
+        loss, grads = self._grads(self.state["params"], self._place_batch(batch), step_words(self.count))
         return float(fetch(loss)), {k: fetch(v) for k, v in grads.items()}
 
     def params(self) -> dict[str, np.ndarray]:
@@ -231,11 +241,8 @@ class JaxSession:
         state, lay = self.state, self.program.layouts
         rank_of = {d.id: r for r, d in enumerate(self.jax_mesh.devices.flat)}
         named = [(f"params/{k}", v, lay[Role.PARAMS][k]) for k, v in state["params"].items()]
-        count = 0
         for kind, name, leaf in self._opt_leaves(state["opt"]):
-            if kind == "count":
-                count = int(fetch(leaf))
-            else:
+            if kind != "count":  # the count is self.count (Adam's int32 one saturates)
                 named.append((f"opt/{kind}/{name}", leaf, lay[Role.OPTIMIZER][name]))
         tensors, blocks = [], {}
         for name, arr, layout in named:
@@ -249,7 +256,7 @@ class JaxSession:
                 if piece.file == rank_file(rank_of[shard.device.id]):
                     blocks.setdefault(piece.file, {})[piece.key] = np.asarray(shard.data)
             tensors.append((name, tuple(arr.shape), str(layout), list(pieces.values())))
-        return tensors, blocks, count
+        return tensors, blocks, self.count
 
     def restore(self, ckpt, params_only: bool = False) -> None:
         """Each device's block is read from the pieces it overlaps. ``params_only``: a fresh optimizer."""
@@ -270,8 +277,9 @@ class JaxSession:
         count = ckpt.count()
         leaves = []
         for kind, name, leaf in self._opt_leaves(opt):
-            if kind == "count":
-                leaves.append(jax.device_put(np.asarray(count, leaf.dtype), leaf.sharding))
+            if kind == "count":  # where Adam's count would be after ``count`` updates: it saturates
+                leaves.append(jax.device_put(np.asarray(min(count, np.iinfo(leaf.dtype).max), leaf.dtype),
+                                             leaf.sharding))
             else:
                 leaves.append(load(f"opt/{kind}/{name}", shapes[name], leaf.sharding))
         self.state = {"params": params, "opt": jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt), leaves)}
@@ -331,7 +339,7 @@ class JaxSession:
             holder["rec"] = Recorder(ops, capture, on_step)
             return holder["rec"]
 
-        loss = jax.jit(lambda p, b: self._explicit_loss(p, b, 0, False, wrap_ops=wrap))(
+        loss = jax.jit(lambda p, b: self._explicit_loss(p, b, step_words(0), False, wrap_ops=wrap))(
             self.state["params"], self._place_batch(batch))
         jax.block_until_ready(loss)
         jax.effects_barrier()

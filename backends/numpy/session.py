@@ -62,10 +62,9 @@ class NumpySession:
     def _forward(self, batch, *, training: bool, wrap=None):
         """(loss value per rank or whole, leaves by parameter name)."""
         p, model = self.program, self.program.model
-        rng = DropoutKey(self.seed, self.opt.count)
         if self.single:
             leaves = {k: ad.Var(v) for k, v in self._params.items()}
-            ops = DenseOps(NumpyLocal(), training=training, rng=rng)
+            ops = DenseOps(NumpyLocal(), training=training, rng=DropoutKey(self.seed, self.opt.count))
             ops = wrap(ops) if wrap is not None else ops
             inputs = check_batch(p, batch)
             return [model.loss(ops, leaves, inputs)], {k: [v] for k, v in leaves.items()}, None
@@ -73,7 +72,7 @@ class NumpySession:
         leaves = {k: [ad.Var(b) for b in scatter(v, p.layouts[Role.PARAMS][k])] for k, v in self._params.items()}
         params = sharded_params(p, {k: PerRank(v) for k, v in leaves.items()})
         inputs = sharded_inputs(p, batch, lambda x, layout: PerRank(scatter(x, layout)))
-        ops = make_executor(p, comm, params, training=training, step=rng.step, seed=self.seed)
+        ops = make_executor(p, comm, params, training=training, step=self.opt.count, seed=self.seed)
         rec = wrap(ops) if wrap is not None else ops
         loss = scalar_loss(ops, model.loss(rec, params, inputs))
         return loss.values, leaves, ops

@@ -127,6 +127,18 @@ def test_errors(eq, specs, shapes, err, match):
         plan_einsum(eq, [Layout(M, s) for s in specs], shapes)
 
 
+
+def test_too_long_spec_fails_after_an_equal_layout_was_planned():
+    """As plan_redistribute: the cached plan of equal layouts does not skip the length check."""
+    mesh = Mesh(dp=2, sp=3)
+    match = r"^spec P\('dp', None, None\) has 3 entries but the tensor of shape \(4, 6\) has 2 dims"
+    w = Layout(mesh, P())
+    with pytest.raises(ValueError, match=match):  # cold
+        plan_einsum("ij,jk->ik", [Layout(mesh, P("dp", None, None)), w], [(4, 6), (6, 2)])
+    plan_einsum("ij,jk->ik", [Layout(mesh, P("dp")), w], [(4, 6), (6, 2)])
+    with pytest.raises(ValueError, match=match):  # warm
+        plan_einsum("ij,jk->ik", [Layout(mesh, P("dp", None, None)), w], [(4, 6), (6, 2)])
+
 def test_not_a_layout():
     with pytest.raises(TypeError, match=r"operand 0's layout is 'dp' \(str\), not a parlay.Layout"):
         plan_einsum("i->i", ["dp"], [(2,)])

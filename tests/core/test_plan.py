@@ -106,6 +106,46 @@ def test_bad_arguments():
         plan_redistribute(P(), L(P()), (4,))
 
 
+def test_too_long_spec_fails_after_an_equal_layout_was_planned():
+    """Layouts equal but for trailing Nones share a cached plan; the check of a spec's length
+    against the shape runs before the cache (once: a warm cache accepted the too-long spec)."""
+    mesh = Mesh(dp=2, sp=3)
+    too_long, fits, whole = Layout(mesh, P("dp", None)), Layout(mesh, P("dp")), Layout(mesh, P())
+    match = r"^spec P\('dp', None\) has 2 entries but the tensor of shape \(8,\) has 1 dims; give at most one"
+    for src, dst in [(too_long, whole), (whole, too_long)]:
+        with pytest.raises(ValueError, match=match):  # cold
+            plan_redistribute(src, dst, (8,))
+    plan_redistribute(fits, whole, (8,))
+    plan_redistribute(whole, fits, (8,))
+    for src, dst in [(too_long, whole), (whole, too_long)]:
+        with pytest.raises(ValueError, match=match):  # warm
+            plan_redistribute(src, dst, (8,))
+
+
+def _plan_dp():
+    plan = plan_redistribute(L(P("dp", "tp")), L(P()), (4, 8))
+    return plan, scatter(np.arange(32).reshape(4, 8), plan.src)
+
+
+@pytest.mark.parametrize("step, shards, err, match", [
+    (None, lambda s: s[:3], ValueError, r"got 3 shards for Mesh\(dp=2, tp=4\) with 8 ranks; pass one array per rank"),
+    (None, lambda s: s + s, ValueError, r"got 16 shards for Mesh\(dp=2, tp=4\) with 8 ranks"),
+    (None, lambda s: s[:1] + [s[1][:1]] + s[2:], ValueError, r"rank 1 holds shape \(1, 2\) but rank 0 holds \(2, 2\)"),
+    (AllGather(("dp",), 2), None, ValueError, r"all-gather\(dp\) dim 2 on shards of shape \(2, 2\), which have no dim 2"),
+    (AllToAll(("tp",), -1, 0), None, ValueError, r"which have no dim -1"),
+    (LocalSlice(("tp",), 0), None, ValueError, r"splits dim 0 of the shards' shape \(2, 2\) into 4 pieces; its size is "
+                                               r"not divisible by 4"),
+    (Permute(((0, 8),)), None, ValueError, r"permute\(0->8\) names rank 8, but Mesh\(dp=2, tp=4\) has ranks 0..7"),
+    (AllReduce(("pp",)), None, ValueError, r"'pp' is not an axis of Mesh\(dp=2, tp=4\)"),
+    ("all-gather", None, TypeError, r"'all-gather' is not a plan step; steps are AllGather, ReduceScatter"),
+])
+def test_simulate_step_bad_input(step, shards, err, match):
+    """One clear error per bad input (once: an IndexError from inside the loop, or numpy's)."""
+    plan, good = _plan_dp()
+    with pytest.raises(err, match=match):
+        simulate_step(plan.steps[0] if step is None else step, good if shards is None else shards(good), plan.src)
+
+
 def _random_ints(shape, seed):
     return np.random.default_rng(seed).integers(-1000, 1000, shape)
 

@@ -163,3 +163,45 @@ def test_hf_gpt2_preset_equals_single_device(hf_reference, strategy, mesh, mode)
     assert set(grads) == set(grads0) and "lm_head.w" not in grads
     for name, g0 in grads0.items():
         np.testing.assert_allclose(grads[name], g0, rtol=0, atol=grad_atol(name, g0, grads0), err_msg=name)
+
+
+class _MemoryCheckpoint:
+    """What ``Session.restore`` reads from a checkpoint: global arrays by name and the update count."""
+
+    def __init__(self, tensors, count):
+        self.tensors, self._count = tensors, count
+
+    def read(self, name, index=None, *, shape):
+        return self.tensors[name] if index is None else self.tensors[name][index]
+
+    def count(self):
+        return self._count
+
+
+def test_steps_past_2_31_updates_equal_numpy():
+    """A cosine schedule over 2**32 updates and a run restored at update 2**31 - 1, with dropout:
+    two steps cross int32's limit and take numpy's steps (once: OverflowError at the first update,
+    from the schedule's int32 count; the step after 2**31 - 1 overflowed the dropout key too)."""
+    import dataclasses
+
+    from parlay.backends.numpy.session import NumpySession
+
+    model = GPT(dataclasses.replace(PRESETS["tiny"], dropout=0.1))
+    params = model.init(seed=0)
+    batch = _batch(model.config)
+    opt = OptimizerConfig(lr=1e-3, warmup=0, decay_steps=2**32)
+    ckpt = _MemoryCheckpoint({**{f"params/{k}": v for k, v in params.items()},
+                              **{f"opt/{m}/{k}": np.full_like(v, 1e-4) for m in ("mu", "nu") for k, v in params.items()}},
+                             count=2**31 - 1)
+    runs = []
+    for make in (lambda p: NumpySession(p, params), lambda p: JaxSession(p, Mode.EXPLICIT, params)):
+        session = make(make_program(model, "dp", Mesh(dp=2), batch=8, optimizer=opt))
+        session.restore(ckpt)
+        losses = [session.step(batch) for _ in range(2)]
+        runs.append((losses, session.params(), session.checkpoint_tensors()[2]))
+    (ref_losses, ref_params, ref_count), (losses, got, count) = runs
+    assert count == ref_count == 2**31 + 1
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k in params:  # per tensor, against the distance moved (see the module's docstring)
+        moved = np.linalg.norm(ref_params[k] - params[k])
+        assert np.linalg.norm(got[k] - ref_params[k]) <= 2e-3 * moved, k

@@ -171,6 +171,22 @@ def test_dropout_bits_are_the_same_on_every_layout_and_off_in_evaluation():
     assert np.array_equal(off, x)
 
 
+
+def test_dropout_is_keyed_by_every_bit_of_the_step():
+    """Step 2**32 + t has its own mask, not step t's (once: the step was cut to its low 32 bits);
+    a traced step's two words (``step_words``, JAX's argument) give the int's mask."""
+    from parlay.core.ops import dropout_keep
+
+    coords = [np.arange(4096, dtype=np.int32)]
+    mask = {t: dropout_keep(coords, 0.5, "k", DropoutKey(3, t)) for t in (5, 2**31 + 5, 2**32 + 5, 2**63 + 5)}
+    assert len({m.tobytes() for m in mask.values()}) == len(mask)
+    from parlay.core.ops import step_words
+
+    for t, m in mask.items():
+        assert np.array_equal(dropout_keep(coords, 0.5, "k", DropoutKey(3, step_words(t))), m), t
+    with pytest.raises(ValueError, match=r"step -1 is outside \[0, 2\*\*64\); a step counts updates from 0"):
+        DropoutKey(3, -1)
+
 def _fails(layout, shape) -> bool:
     try:
         layout.check(shape)
