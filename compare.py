@@ -83,9 +83,10 @@ def compare_batches(program: Program, steps: int, seed: int, data=None) -> list[
 
 def run_compare(program: Program, *, steps: int, backends=BACKENDS, seed: int = 0, data=None,
                 tol: Tolerance = Tolerance(), bisect: bool = True, reference: str = "jax-single",
-                params: dict | None = None) -> tuple[BackendRun, list[BackendRun]]:
+                params: dict | None = None, timeout_s: float = 900) -> tuple[BackendRun, list[BackendRun]]:
     """(reference, [one run per backend]) of ``program`` on ``steps`` batches of ``data`` (default:
-    the model's dataset). A backend that disagrees beyond ``tol`` is bisected on the first batch."""
+    the model's dataset). A backend that disagrees beyond ``tol`` is bisected on the first batch.
+    ``timeout_s``: the torch ranks' collective timeout."""
     batches = compare_batches(program, steps, seed, data)
     start = program.init(seed) if params is None else params
     ref = get_backend(reference)
@@ -95,7 +96,7 @@ def run_compare(program: Program, *, steps: int, backends=BACKENDS, seed: int = 
     runs = []
     for name in backends:
         losses, grads, final = get_backend(name).run(program, compare_steps, batches, params=start, seed=seed,
-                                                     timeout_s=900)
+                                                     timeout_s=timeout_s)
         run = BackendRun(name, losses, grads=grads, params=final)
         run.grad_diff, run.worst_grad = _rel(grads, ref_grads, ref_grads)
         run.param_diff, run.worst_param = _rel(final, ref_params, moved)

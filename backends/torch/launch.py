@@ -1,11 +1,21 @@
 """Starting torch.distributed: parlay's own gloo processes on one machine, or under torchrun.
 
 ``spawn(fn, world_size, *args)`` starts the processes, initialises torch.distributed (gloo) in
-each, calls ``fn(rank, *args)`` and returns the per-rank results. A rank that raises, dies or
-hangs makes ``spawn`` raise one clear error within ``timeout_s``; it never waits forever.
+each, calls ``fn(rank, *args)`` and returns the per-rank results. It never waits forever and never
+leaves a rank behind:
+
+- every process group (the default one, the DeviceMesh's, parlay's own) waits at most
+  ``timeout_s`` in a collective (``collective_timeout()`` in a rank);
+- each rank beats a heartbeat into shared memory; a rank whose heartbeat is older than
+  ``timeout_s`` (stopped with SIGSTOP, frozen) ends the run, named, and when a collective times
+  out the rank that made no progress for longest is named, not the one that waited for it;
+- a rank that raises or dies ends the run naming it (a rank killed by a signal: the signal);
+- the launcher kills every rank with SIGKILL on any exit (a stopped process ignores SIGTERM), and
+  ranks die with the launcher (``PR_SET_PDEATHSIG`` on Linux, and a parent watchdog elsewhere),
+  so killing the launcher leaves no rank training.
 
 Under ``torchrun`` (one node or many), call ``init_from_env()`` first: NCCL when CUDA is there,
-gloo otherwise, each rank on its local GPU, with the same timeout rule.
+gloo otherwise, each rank on its local GPU, with the same collective timeout.
 """
 
 from __future__ import annotations
@@ -14,35 +24,84 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import re
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
 
 from ...core.session import RunFailure
 
-__all__ = ["spawn", "init_from_env", "RankFailure"]
+__all__ = ["spawn", "init_from_env", "RankFailure", "collective_timeout", "mark_progress", "stop_all"]
+
+HEARTBEAT_S = 0.5  # how often a rank's watchdog thread beats
+_TIMED_OUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+_PEER_LOST = re.compile(r"timed? ?out|timeout|connection|closed|reset by peer|broken pipe", re.IGNORECASE)
 
 
 class RankFailure(RunFailure):
-    """A rank raised, died or timed out."""
+    """A rank raised, died, stopped or timed out."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# -- inside a rank -------------------------------------------------------------------------------
+
+_rank_state: dict[str, Any] = {"timeout": datetime.timedelta(seconds=600), "progress": None, "rank": 0}
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, fn, args, results) -> None:
+def collective_timeout() -> datetime.timedelta:
+    """The run's bound on one collective, for every process group this rank makes."""
+    return _rank_state["timeout"]
+
+
+def mark_progress() -> None:
+    """Record that this rank reached a collective or a step (the launcher names the rank whose
+    last mark is oldest when a collective times out)."""
+    progress = _rank_state["progress"]
+    if progress is not None:
+        progress[_rank_state["rank"]] = time.monotonic()
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the launcher ``parent`` exits (Linux), checked once now."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the launcher died before the line above ran
+        os._exit(1)
+
+
+def _watchdog(rank: int, beats, parent: int) -> None:
+    """Beat the heartbeat; end this process if the launcher is gone (where PDEATHSIG is not)."""
+    while True:
+        beats[rank] = time.monotonic()
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(HEARTBEAT_S)
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, parent: int, beats, progress, fn, args,
+            results) -> None:
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal: the launcher decides
+    threading.Thread(target=_watchdog, args=(rank, beats, parent), daemon=True).start()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _rank_state.update(timeout=timeout, progress=progress, rank=rank)
+    mark_progress()
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=timeout)
         results.put((rank, True, fn(rank, *args)))
     except BaseException as e:  # report everything, including a collective timing out
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
@@ -54,52 +113,159 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, fn, args, result
                 pass
 
 
+# -- the launcher ------------------------------------------------------------------------------------
+
+_live: set = set()  # rank processes of every spawn running in this process
+_live_lock = threading.Lock()
+
+
+def stop_all() -> int:
+    """SIGKILL every rank this process started and has not reaped; how many were running."""
+    with _live_lock:
+        procs = list(_live)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    return len(alive)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _state(pid: int | None) -> str:
+    """The process state letter from /proc (T: stopped), or '' where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _died(rank: int, code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return f"rank {rank} {how} before returning; stopped the other ranks"
+
+
+class _Watch:
+    """The launcher's view of the ranks: results, exits, heartbeats and progress marks."""
+
+    def __init__(self, procs, beats, progress, timeout_s: float):
+        self.procs, self.beats, self.progress, self.timeout_s = procs, beats, progress, timeout_s
+
+    def dead(self, done) -> str | None:
+        for r, p in enumerate(self.procs):
+            if r not in done and not p.is_alive() and p.exitcode != 0:
+                return _died(r, p.exitcode)
+        return None
+
+    def silent(self, done) -> str | None:
+        """A rank whose heartbeat is older than the collective timeout."""
+        now = time.monotonic()
+        for r, p in enumerate(self.procs):
+            age = now - self.beats[r]
+            if r not in done and self.beats[r] > 0 and age > self.timeout_s:
+                why = "is stopped (SIGSTOP or a debugger)" if _state(p.pid) == "T" else "is frozen"
+                return (f"rank {r} {why}: no heartbeat for {age:.0f} s (the collective timeout is "
+                        f"{self.timeout_s:g} s); stopped the run")
+        return None
+
+    def culprit(self, reporter: int, text: str, done) -> str:
+        """The error for rank ``reporter``'s failure: a collective that timed out blames the rank
+        that stopped beating, or the one whose last progress is oldest."""
+        first = text.splitlines()[0] if text else "failed"
+        if not _TIMED_OUT.search(text):
+            return f"rank {reporter} failed: {text}"
+        now = time.monotonic()
+        others = [r for r in range(len(self.procs)) if r not in done and r != reporter]
+        stale = [r for r in others if now - self.beats[r] > 4 * HEARTBEAT_S + 1]
+        if stale:
+            r = max(stale, key=lambda r: now - self.beats[r])
+            why = "is stopped (SIGSTOP or a debugger)" if _state(self.procs[r].pid) == "T" else "stopped responding"
+            return (f"rank {r} {why}: no heartbeat for {now - self.beats[r]:.0f} s; rank {reporter}'s collective "
+                    f"timed out after {self.timeout_s:g} s waiting for it ({first})")
+        if others:
+            r = min(others, key=lambda r: self.progress[r])
+            return (f"rank {r} made no progress for {now - self.progress[r]:.0f} s; rank {reporter}'s collective "
+                    f"timed out after {self.timeout_s:g} s waiting for it ({first})")
+        return f"rank {reporter} failed: {text}"
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0,
           wall_s: float | None = -1) -> list[Any]:
     """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each in its own gloo process.
 
-    ``fn`` must be importable (a module-level function). Raises ``RankFailure`` naming the first
-    rank that failed, or the ranks still running when ``timeout_s`` passed. ``timeout_s`` bounds
-    each collective (a rank stuck in one fails); ``wall_s`` bounds the whole run (default
-    ``timeout_s`` + 30 s; ``None``: no bound, for training runs of any length).
+    ``fn`` must be importable (a module-level function). Raises ``RankFailure`` naming the rank
+    that failed, died or stopped. ``timeout_s`` bounds each collective and each heartbeat;
+    ``wall_s`` bounds the whole run (default ``timeout_s`` + 30 s; ``None``: no bound, for
+    training runs of any length).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; spawn needs at least one rank.")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s}; the collective timeout must be a positive number of seconds")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    beats = ctx.Array("d", world_size, lock=False)
+    progress = ctx.Array("d", world_size, lock=False)
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, os.getpid(), beats, progress, fn,
+                                               args, results), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _live_lock:
+        _live.update(procs)
+    watch = _Watch(procs, beats, progress, timeout_s)
     out: dict[int, Any] = {}
     wall = timeout_s + 30 if wall_s == -1 else wall_s  # the ranks' own collective timeout fires first
     deadline = None if wall is None else time.monotonic() + wall
+    started = time.monotonic()
     try:
+        for p in procs:
+            p.start()
+        for r in range(world_size):  # a rank not yet beating counts from now (interpreter start)
+            beats[r] = progress[r] = started + 60  # allow a minute to import torch
         while len(out) < world_size:
             try:
-                rank, ok, value = results.get(timeout=1.0)
+                rank, ok, value = results.get(timeout=HEARTBEAT_S)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode != 0]
-                if dead:
-                    raise RankFailure(
-                        f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) before returning; the "
-                        f"other ranks were stopped."
-                    ) from None
+                problem = watch.dead(out) or watch.silent(out)
+                if problem:
+                    raise RankFailure(problem) from None
                 if deadline is not None and time.monotonic() > deadline:
                     waiting = [r for r in range(world_size) if r not in out]
                     raise RankFailure(f"ranks {waiting} did not finish within {wall:.0f} s; stopped them.") from None
                 continue
             if not ok:
-                raise RankFailure(f"rank {rank} failed: {value}")
+                # A peer that died makes the others fail at once ("connection closed"): name the
+                # dead one, not the first to report.
+                grace = time.monotonic() + (2 if _PEER_LOST.search(value) else 0)
+                while time.monotonic() < grace and not watch.dead(out):
+                    time.sleep(0.1)
+                raise RankFailure(watch.dead(out) or watch.culprit(rank, value, out))
             out[rank] = value
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
+        _reap(procs)
+        with _live_lock:
+            _live.difference_update(procs)
     return [out[r] for r in range(world_size)]
+
+
+def _reap(procs) -> None:
+    """Every rank gone, at once: with every result in hand nothing is left to wait for (their
+    files are fsynced before they return), and a stopped rank ignores anything but SIGKILL."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
 
 
 def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> str:
@@ -117,6 +283,7 @@ def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> st
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend or ("nccl" if device == "cuda" else "gloo"),
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _rank_state.update(timeout=timeout, rank=int(os.environ["RANK"]))
+    dist.init_process_group(backend or ("nccl" if device == "cuda" else "gloo"), timeout=timeout)
     return device

@@ -31,7 +31,7 @@ from ...core.trace import Recorder, assemble, check_step
 from .collectives import run_plan
 from .comm import TorchComm
 from .grad_sync import GradSync
-from .launch import spawn
+from .launch import mark_progress, spawn, stop_all
 from .mesh import TorchMesh
 from .ops import TorchLocal
 
@@ -101,16 +101,21 @@ def _relay(launch: Callable, events, on_event: Callable):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    while True:
-        try:
-            event = events.get(timeout=1.0)
-        except queue.Empty:
-            if not thread.is_alive():  # the sentinel may never come if a rank died mid-put
+    try:
+        while True:
+            try:
+                event = events.get(timeout=1.0)
+            except queue.Empty:
+                if not thread.is_alive():  # the sentinel may never come if a rank died mid-put
+                    break
+                continue
+            if isinstance(event, str) and event == _DONE:
                 break
-            continue
-        if isinstance(event, str) and event == _DONE:
-            break
-        on_event(event)
+            on_event(event)
+    except BaseException:  # SIGINT/SIGTERM here, or on_event raised: no rank outlives the run
+        stop_all()
+        thread.join(timeout=10)
+        raise
     thread.join()
     events.cancel_join_thread()
     if failure:
@@ -248,6 +253,7 @@ def _assemble(local: torch.Tensor, layout: Layout, shape) -> np.ndarray:
 def _blocks(local: torch.Tensor, world: int) -> list[np.ndarray]:
     import torch.distributed as dist
 
+    mark_progress()
     local = local.detach().contiguous()
     pieces = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(pieces, local)
@@ -361,6 +367,7 @@ class TorchSession:
 
         for p in self.local.values():
             p.grad = None
+        mark_progress()
         self.log.clear()  # the collectives of this step only (a long run would grow it)
         loss = self.loss(batch)
         self.backward(loss)
@@ -377,6 +384,7 @@ class TorchSession:
                 opt_layout = lay[Role.OPTIMIZER][k]
                 copies = mesh.size // int(np.prod([opt_layout.shard_count(d) for d in range(m.ndim)]))
                 sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
+            mark_progress()
             dist.all_reduce(sq)
             scale = _clip(torch.sqrt(sq).float(), cfg.clip)
             for m in self.master.values():
@@ -410,6 +418,7 @@ class TorchSession:
     def barrier(self) -> None:
         import torch.distributed as dist
 
+        mark_progress()
         dist.barrier()
 
     def emit(self, event) -> None:
