@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import sys
+import tempfile
+import threading
 import time
 from typing import Sequence
 
@@ -13,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .checkpoint import Checkpoint, latest
 from .core import Layout, Mesh, P, Plan, plan_redistribute
 from .core.models.gpt import PRESETS
 from .core.rules import RuleError
@@ -25,6 +30,25 @@ _DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp1
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
+
+
+class Stopped(BaseException):
+    """SIGINT, SIGTERM or SIGHUP reached parlay: the run unwinds (every rank killed, locks
+    released, committed checkpoints untouched) and parlay exits with 128 + the signal's number.
+    A BaseException, so no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum, frame):
+    for s in _SIGNALS:  # a second signal must not interrupt the cleanup (ranks die with parlay anyway)
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -148,6 +172,35 @@ def _check_counts(args) -> None:
     for flag in ("steps", "batch"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)} must be positive")
+    if not 0 < args.collective_timeout < 10**6:  # NaN fails too
+        raise UsageError(f"--collective-timeout {args.collective_timeout} must be a positive number of seconds "
+                         f"(below 10^6)")
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """A file the command writes after its run: its folder made and writable now, so a bad path
+    fails before the first step rather than after the last."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a folder; name a file to write")
+    _check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
+
+
+def check_output_dir(path: str | None, flag: str) -> None:
+    if path:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"{flag} {path!r} is a file; name a folder")
+        _check_writable_dir(os.path.abspath(path), f"{flag} {path!r}")
+
+
+def _check_writable_dir(folder: str, what: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".parlay-probe-")
+        probe.close()
+    except OSError as e:
+        raise UsageError(f"{what}: cannot write in {folder!r} ({e.strerror or e}); choose a writable place") from None
 
 
 def _program(args, mesh: Mesh, backends: list[str], **extra):
@@ -160,8 +213,36 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
     _check_counts(args)
     for name in backends:
         get_backend(name).prepare(mesh)
-    return program_from(args.model, args.strategy, mesh, batch=args.batch,
-                        optimizer=extra.get("optimizer", OptimizerConfig()))
+    program = program_from(args.model, args.strategy, mesh, batch=args.batch,
+                           optimizer=extra.get("optimizer", OptimizerConfig()))
+    check_memory(program, batches=1 + getattr(args, "eval_batches", 0),
+                 processes=mesh.size if "torch" in backends else 1)
+    return program
+
+
+def machine_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(program, *, batches: int, processes: int, limit: int | None = None) -> None:
+    """Refuse a run that cannot fit this machine's memory (``limit``: its RAM), by a lower bound
+    of what it must hold: the model's state once (parameter, gradient, two AdamW moments: 16 bytes
+    a parameter), ``batches`` batches of inputs in each of ``processes`` processes (a training
+    batch and the held-out set), and the largest value the model computes, which exists at some
+    point (the shape trace found it). Activations beyond that one value are not counted (parlay
+    has no memory model yet), so a run that passes may still not fit."""
+    limit = machine_bytes() if limit is None else limit
+    state = 16 * sum(int(math.prod(s)) for s in program.shapes.values())
+    per_batch = sum(4 * int(math.prod(d.shape)) for d in program.model.inputs(program.batch).values())
+    inputs = per_batch * batches * processes
+    largest = 4 * int(math.prod(program.trace.largest))
+    need = state + inputs + largest
+    if need > limit:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"
+        raise UsageError(f"this run needs at least {gib(need)} (model state {gib(state)}, inputs {gib(inputs)}: "
+                         f"{batches} batch(es) of {program.batch} in {processes} process(es), its largest value "
+                         f"{program.trace.largest} {gib(largest)}); this machine has {gib(limit)}: lower --batch"
+                         + (" or --eval-batches" if batches > 1 else ""))
 
 
 def _cmd_step(args: argparse.Namespace, console: Console) -> int:
@@ -175,7 +256,7 @@ def _cmd_step(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--ranks {args.ranks}: {mesh} has {mesh.size} ranks; the torch backend starts one process "
                          f"per rank (leave --ranks out)")
     program = _program(args, mesh, [backend])
-    rows = run_steps(backend, program, steps=args.steps, seed=args.seed)
+    rows = run_steps(backend, program, steps=args.steps, seed=args.seed, timeout_s=args.collective_timeout)
     what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
     table = Table(title=f"{args.model}, {program.strategy.name} on {mesh}, {what}, batch {args.batch}, random inputs",
                   title_justify="left")
@@ -204,6 +285,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     if mesh.size > 8:
         raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; compare runs every backend on this machine, at "
                          f"most 8")
+    check_output_file(args.json, "--json")
+    check_output_file(args.plot, "--plot")
     program = _program(args, mesh, backends)
     tol = Tolerance()
     if args.drop_all_reduce:
@@ -215,7 +298,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
             raise UsageError("--drop-all-reduce plants its fault in the sharded executor (torch, jax, numpy); GSPMD's "
                              "collectives are XLA's")
         program = program.replace(fault=drop_all_reduce(args.drop_all_reduce))
-    ref, runs = run_compare(program, steps=args.steps, backends=backends, seed=args.seed, tol=tol)
+    ref, runs = run_compare(program, steps=args.steps, backends=backends, seed=args.seed, tol=tol,
+                            timeout_s=args.collective_timeout)
     if args.drop_all_reduce and all(r.agree for r in runs if r.name != "jax-gspmd"):
         raise UsageError(f"--drop-all-reduce {args.drop_all_reduce}: no forward all-reduce ran in that layer under "
                          f"{program.strategy.name} on {mesh}, so no fault was planted; pick a layer whose output is a "
@@ -291,17 +375,18 @@ def _train_spec(args, mesh: Mesh, backend: str):
                          "give one of them")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every and --resume need --checkpoint-dir DIR")
+    check_output_file(args.json, "--json")
+    check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
     return TrainSpec(backend=backend, strategy=args.strategy, mesh=tuple(mesh.axes), model=args.model,
                      steps=args.steps, batch=args.batch, seed=args.seed, optimizer=optimizer,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                     keep_last=args.keep_last)
+                     keep_last=args.keep_last, collective_timeout=args.collective_timeout)
 
 
 def _train_checkpoints(args, spec, program, console: Console):
     """(resume checkpoint, init checkpoint), checked before any process starts."""
-    from .checkpoint import Checkpoint, latest
     from .training import check_init, check_resume
 
     if args.checkpoint_dir and not args.resume:
@@ -327,12 +412,8 @@ def _train_checkpoints(args, spec, program, console: Console):
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
-    import json
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from .core.model import dataset_source
-    from .training import CheckpointEvent, EvalEvent, StepEvent, dataset_of, run_train, spec_json
+    from .checkpoint import locked
+    from .training import dataset_of
 
     mesh = parse_mesh(args.mesh)
     backend = _backend_name(args)
@@ -342,6 +423,19 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     describe = getattr(data, "describe", None)
     baseline = getattr(data, "baseline", None)
     baseline = baseline() if callable(baseline) else None
+    with locked(args.checkpoint_dir) if args.checkpoint_dir else contextlib.nullcontext():
+        return _train(args, console, spec, program, data, describe, baseline)
+
+
+def _train(args, console: Console, spec, program, data, describe, baseline) -> int:
+    import json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .core.model import dataset_source
+    from .training import CheckpointEvent, EvalEvent, StepEvent, run_train, spec_json
+
+    mesh, backend = program.mesh, spec.backend
     ckpt, init = _train_checkpoints(args, spec, program, console)
     what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
     console.print(f"{args.model}, {program.strategy.name} on {mesh}, {what}: {args.steps} steps of {args.batch} examples "
@@ -366,7 +460,14 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             elif isinstance(event, CheckpointEvent):
                 progress.console.print(f"step {event.step}: checkpoint saved to {event.path}", soft_wrap=True)
 
-        result = run_train(spec, on_event, resume=ckpt, init_from=init, program=program)
+        try:
+            result = run_train(spec, on_event, resume=ckpt, init_from=init, program=program)
+        except (Stopped, RuntimeError) as e:  # say what survives: the newest committed checkpoint
+            if args.checkpoint_dir:
+                newest = latest(args.checkpoint_dir)
+                e.note = (f"; the newest committed checkpoint is {newest} (--resume continues it)" if newest else
+                          "; no checkpoint was committed")
+            raise
     final = result.evals[-1][1] if result.evals else float("nan")
     console.print(f"done in {result.seconds:.1f} s ({result.examples_per_s(spec):,.0f} examples/s after the first "
                   f"step): train loss {result.losses[-1]:.4f}, held-out loss {final:.4f}"
@@ -416,6 +517,9 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
     p.add_argument("--steps", type=int, default=steps, help="training steps (AdamW updates)")
     p.add_argument("--batch", type=int, default=batch, help="examples per step (global: split by the strategy)")
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
+    p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "
+                        "the run stops naming the rank")
 
 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
@@ -529,9 +633,15 @@ def _raised_by_parlay(e: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     console = Console(markup=False, highlight=False)
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, _on_signal) for s in _SIGNALS}
     try:
         args = build_parser().parse_args(argv)
         return args.run(args, console)
+    except Stopped as e:
+        print(f"parlay: stopped by {e}; no rank left running{getattr(e, 'note', '')}", file=sys.stderr)
+        return 128 + e.signum
     except UsageError as e:
         print(str(e) if str(e).startswith("parlay") else f"parlay: {e}", file=sys.stderr)
         return 2
@@ -549,8 +659,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if not isinstance(e, (RunFailure, TrainingDiverged)):
             raise
-        print(f"parlay: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"parlay: {str(e).splitlines()[0]}{getattr(e, 'note', '')}", file=sys.stderr)
         return 1
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
 if __name__ == "__main__":

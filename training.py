@@ -9,6 +9,7 @@ process (JAX, numpy) or in every spawned rank (torch); the lead sends its events
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,6 +43,7 @@ class TrainSpec:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # save every K steps (and after the last); 0: never
     keep_last: int | None = 3  # committed checkpoints kept (None: all)
+    collective_timeout: float = 600.0  # torch: seconds one collective (or a silent rank) may take
 
 
 @dataclass(frozen=True)
@@ -99,11 +101,26 @@ def model_meta(program: Program) -> dict:
             "params": {k: list(v) for k, v in program.shapes.items()}}
 
 
-def _meta(spec: TrainSpec, program: Program, count: int, history: dict, source: str) -> dict:
+def data_digests(files) -> list[str]:
+    """The SHA-256 of each ``--data`` file (read in 1 MiB chunks), so a resume reads the same data."""
+    import hashlib
+
+    out = []
+    for path in files:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(2**20), b""):
+                h.update(chunk)
+        out.append(h.hexdigest())
+    return out
+
+
+def _meta(spec: TrainSpec, program: Program, count: int, history: dict, source: str, digests: list) -> dict:
     """The run's state besides the tensors: what a resume on any backend needs."""
     return {"count": count, "backend": spec.backend, "model": model_meta(program), "mesh": dict(spec.mesh),
             "strategy": program.strategy.name, "optimizer": asdict(spec.optimizer),
-            "data": {"seed": spec.seed, "batch": spec.batch, "files": list(spec.data), "source": source},
+            "data": {"seed": spec.seed, "batch": spec.batch, "files": list(spec.data), "sha256": digests,
+                     "source": source},
             "rng": {"seed": spec.seed, "streams": "training batch t: the dataset's batch_at(t, seed); held-out batch i: "
                                                   "batch_at(i, seed, held_out); dropout: (seed, update count, key, "
                                                   "element index)"},
@@ -146,17 +163,24 @@ def check_init(ckpt, program: Program) -> None:
     ckpt.open_all()
 
 
-def check_resume(ckpt, spec: TrainSpec, program: Program) -> None:
-    """A checkpoint continues this run only with the same model, data and optimizer."""
+def check_resume(ckpt, spec: TrainSpec, program: Program, digests: list | None = None) -> None:
+    """A checkpoint continues this run only with the same model, data (``digests``: the --data
+    files' SHA-256, default computed here) and optimizer."""
     from .checkpoint import CheckpointError
 
     where = f"{ckpt.path}/manifest.json"
     _check_model(ckpt, program)
-    data = {k: v for k, v in ckpt.meta("data").items() if k != "source"}
+    digests = data_digests(spec.data) if digests is None else digests
+    saved = ckpt.meta("data")
+    data = {k: saved.get(k) for k in ("seed", "batch", "files")}
     want = {"seed": spec.seed, "batch": spec.batch, "files": list(spec.data)}
     if data != want:
         raise CheckpointError(f"{where}: field 'data' is {data}; this run reads {want} (resume with the same "
                               f"--seed, --batch and --data)")
+    changed = [f for f, a, b in zip(spec.data, saved.get("sha256") or [], digests or []) if a != b]
+    if changed:
+        raise CheckpointError(f"{where}: --data {changed[0]!r} changed since the checkpoint was saved (its SHA-256 "
+                              f"differs); resume with the file as it was, or start a new run")
     saved, want = ckpt.meta("optimizer"), asdict(spec.optimizer)
     if saved != want:
         diff = _differences(saved, want)
@@ -166,9 +190,6 @@ def check_resume(ckpt, spec: TrainSpec, program: Program) -> None:
     if ckpt.step >= spec.steps:
         raise CheckpointError(f"{where}: the checkpoint is already at step {ckpt.step} and --steps is {spec.steps}: "
                               f"nothing left to train")
-    for key in ("losses", "evals"):
-        if not isinstance(ckpt.meta(key), list):
-            raise CheckpointError(f"{where}: field {key!r} must be a list")
     ckpt.open_all()  # every tensor file's header, before any process starts
 
 
@@ -188,9 +209,10 @@ def _history(ckpt) -> dict:
     return {"losses": list(ckpt.meta("losses")), "evals": [list(e) for e in ckpt.meta("evals")]}
 
 
-def train_loop(session, spec: TrainSpec, resume: str | None, init_from: str | None) -> None:
+def train_loop(session, spec: TrainSpec, resume: str | None, init_from: str | None, run: dict) -> None:
     """In every process of the run: restore, then steps ``start+1 .. spec.steps``; held-out
-    evaluations every ``eval_every`` steps; a checkpoint every ``checkpoint_every``."""
+    evaluations every ``eval_every`` steps; a checkpoint every ``checkpoint_every``. ``run``: the
+    run's id and its data files' digests (the same in every process)."""
     from . import checkpoint
 
     program = session.program
@@ -219,9 +241,9 @@ def train_loop(session, spec: TrainSpec, resume: str | None, init_from: str | No
             if not all(np.isfinite(a).all() for b in blocks.values() for a in b.values()):
                 raise TrainingDiverged(f"step {t + 1}: the parameters or optimizer states are no longer finite; "
                                        f"no checkpoint saved (lower --lr)")
-            checkpoint.save(spec.checkpoint_dir, t + 1, tensors, blocks, _meta(spec, program, count, history, dataset_source(data)),
-                            lead=session.lead, barrier=session.barrier, keep_last=spec.keep_last,
-                            crash_hook=_crash_hook(t + 1))
+            meta = _meta(spec, program, count, history, dataset_source(data), run["data_sha256"])
+            checkpoint.save(spec.checkpoint_dir, t + 1, tensors, blocks, meta, run=run["id"], lead=session.lead,
+                            barrier=session.barrier, keep_last=spec.keep_last, crash_hook=_crash_hook(t + 1))
             session.emit(CheckpointEvent(t + 1, str(checkpoint.step_dir(spec.checkpoint_dir, t + 1))))
 
 
@@ -229,8 +251,9 @@ def run_train(spec: TrainSpec, on_event: Callable = lambda e: None, *, resume=No
               program: Program | None = None) -> TrainResult:
     """Train, continuing the checkpoint ``resume`` or starting from the parameters of
     ``init_from`` (folders or ``Checkpoint``s); ``on_event`` sees every ``StepEvent``,
-    ``EvalEvent`` and ``CheckpointEvent`` (in this process, whichever backend runs)."""
-    from .checkpoint import Checkpoint
+    ``EvalEvent`` and ``CheckpointEvent`` (in this process, whichever backend runs). The run
+    holds ``spec.checkpoint_dir``'s lock throughout (``checkpoint.locked``)."""
+    from .checkpoint import Checkpoint, locked, new_run_id
 
     program = program or make_train_program(spec)
     as_checkpoint = lambda c: c if c is None or isinstance(c, Checkpoint) else Checkpoint(c)
@@ -239,8 +262,9 @@ def run_train(spec: TrainSpec, on_event: Callable = lambda e: None, *, resume=No
     start = time.perf_counter()
     if init:
         check_init(init, program)
+    digests = data_digests(spec.data)
     if ckpt:
-        check_resume(ckpt, spec, program)
+        check_resume(ckpt, spec, program, digests)
         history = _history(ckpt)
         result.losses, result.evals = list(history["losses"]), [tuple(e) for e in history["evals"]]
     first = (ckpt.step if ckpt else 0) + 1
@@ -256,8 +280,10 @@ def run_train(spec: TrainSpec, on_event: Callable = lambda e: None, *, resume=No
             result.evals.append((event.step, event.loss))
         on_event(event)
 
-    get_backend(spec.backend).run(program, train_loop, spec, *(None if c is None else str(c.path) for c in (ckpt, init)),
-                                  seed=spec.seed, on_event=record, timeout_s=600)
+    with locked(spec.checkpoint_dir) if spec.checkpoint_dir else contextlib.nullcontext():
+        get_backend(spec.backend).run(program, train_loop, spec,
+                                      *(None if c is None else str(c.path) for c in (ckpt, init)),
+                                      {"id": new_run_id(), "data_sha256": digests}, seed=spec.seed, on_event=record, timeout_s=spec.collective_timeout)
     result.seconds = time.perf_counter() - start
     return result
 

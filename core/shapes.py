@@ -49,6 +49,11 @@ class Trace:
     params: list = field(default_factory=list)
     constraints: list = field(default_factory=list)
     loss: tuple | None = None
+    largest: tuple = ()  # the shape of the largest value an op returned: it must exist at some point
+
+    def note(self, out) -> None:
+        if isinstance(out, Abstract) and int(np.prod(out.shape)) > int(np.prod(self.largest)):
+            self.largest = out.shape
 
 
 class ShapeOps:
@@ -172,6 +177,24 @@ class ShapeOps:
         return Abstract(())
 
 
+class _Noting:
+    """``ShapeOps`` that notes every op's result in the trace (``Trace.largest``)."""
+
+    def __init__(self, ops: ShapeOps):
+        self._ops = ops
+
+    def __getattr__(self, name: str):
+        op = getattr(self._ops, name)
+        if not callable(op):
+            return op
+
+        def call(*args, **kwargs):
+            out = op(*args, **kwargs)
+            self._ops.trace.note(out)
+            return out
+        return call
+
+
 class TraceError(ValueError):
     """``model.loss`` failed on shapes; the message names the model's line."""
 
@@ -198,7 +221,7 @@ def trace(model: Model, batch: int) -> Trace:
     params = {d.name: Abstract(d.shape) for d in model.decls()}
     inputs = {k: Abstract(d.shape, d.dtype) for k, d in model.inputs(batch).items()}
     try:
-        out = model.loss(ops, params, inputs)
+        out = model.loss(_Noting(ops), params, inputs)
     except Exception as e:
         hint = ""
         if isinstance(e, KeyError):

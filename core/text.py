@@ -63,13 +63,14 @@ def load_corpus(files: Sequence[str | Path] | None = None, *, max_bytes: int = 1
     if missing:
         raise ValueError(f"corpus file {missing[0]!r} does not exist or is not a file; name readable text files.")
     chunks, total = [], 0
-    for p in paths:
-        b = p.read_bytes()
+    for p in paths:  # read only the bytes used: a corpus of huge files costs max_bytes, not their size
+        with open(p, "rb") as f:
+            b = f.read(max_bytes - total)
         chunks.append(b)
         total += len(b)
         if total >= max_bytes:
             break
-    data = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    data = np.frombuffer(b"".join(chunks), dtype=np.uint8)
     if len(data) < 1024:
         raise ValueError(f"the corpus has {len(data)} bytes; give at least 1 KiB of text.")
     cut = int(len(data) * (1 - held_out))

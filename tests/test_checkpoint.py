@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from parlay.checkpoint import Checkpoint, CheckpointError, committed, latest
+from parlay.checkpoint import LOCK_FILE, Checkpoint, CheckpointError, committed, latest
 from parlay.cli import main
 
 # 8 steps, the learning rate warming up over 3 and decaying to the 8th: a schedule to get right.
@@ -62,7 +62,8 @@ def test_keep_last_prunes_only_older_committed_checkpoints(tmp_path):
     d = tmp_path / "ckpt"
     _train(tmp_path, "run", "--backend", "jax", "--mesh", "dp=2", "--strategy", "dp", "--checkpoint-dir", str(d),
            "--checkpoint-every", "2", "--keep-last", "2")
-    assert [p.name for p in d.iterdir()] and sorted(p.name for p in d.iterdir()) == ["step-00000006", "step-00000008"]
+    names = sorted(p.name for p in d.iterdir() if p.name != LOCK_FILE)  # the lock file stays, empty
+    assert names == ["step-00000006", "step-00000008"]
 
 
 @pytest.mark.parametrize("stage", [pytest.param("before-manifest", marks=pytest.mark.exhaustive), "before-rename"])
@@ -134,7 +135,7 @@ def test_corrupted_tensor_bytes(copy):
     c = Checkpoint(copy)
     bad = [name for name in c.tensors if _fails(c, name)]
     assert bad, "no tensor noticed the corruption"
-    with pytest.raises(CheckpointError, match=r"rank-00000.safetensors: tensor '.*' does not match its SHA-256 \(the file is corrupted\)"):
+    with pytest.raises(CheckpointError, match=r"rank-00000.safetensors: tensor '.*' does not match the manifest's SHA-256 \(the file is corrupted or from another checkpoint\)"):
         c.read(bad[0])
 
 
@@ -169,9 +170,13 @@ def test_shape_mismatches(copy):
     from safetensors.numpy import load_file, save_file
 
     f = copy / "rank-00000.safetensors"
+    from safetensors import safe_open
+
     blocks = load_file(str(f))
+    with safe_open(str(f), framework="numpy") as h:
+        header = h.metadata()  # the stamp kept: the file is this checkpoint's, its block is not
     blocks["params/embed.table@0,0"] = np.zeros((128, 32), np.float32)
-    save_file(blocks, str(f))
+    save_file(blocks, str(f), metadata=header)
     assert _error(copy) == (f"{f}: tensor 'params/embed.table@0,0' is F32 [128, 32]; the manifest says F32 [128, 64]")
 
 
@@ -273,14 +278,15 @@ def test_pruning_keeps_newer_steps_and_a_new_run_refuses_a_used_folder(good, tmp
     from parlay import checkpoint
 
     d = tmp_path / "c"
-    shutil.copytree(good, d / "step-00000300")
-    c = Checkpoint(d / "step-00000300")
-    meta = {k: v for k, v in c.manifest.items() if k not in ("format", "version", "step", "tensors")}
+    c = Checkpoint(good)
+    meta = {k: v for k, v in c.manifest.items() if k not in ("format", "version", "step", "tensors", "run")}
+    meta.update(count=0, losses=[], evals=[])  # parameters only: any step may hold them
     tensors = [(n, e.shape, e.layout, e.pieces) for n, e in c.tensors.items()]
     blocks = {}
     for e in c.tensors.values():
         for p in e.pieces:
             blocks.setdefault(p.file, {})[p.key] = c.read(e.name, tuple(slice(a, b) for a, b in zip(p.start, p.stop)))
+    checkpoint.save(d, 300, tensors, blocks, meta)
     checkpoint.save(d, 100, tensors, blocks, meta, keep_last=1)  # an older step than one already there
     assert [p.name for p in committed(d)] == ["step-00000100", "step-00000300"]
     assert main(["train", "--backend", "jax", "--mesh", "tp=2", "--strategy", "tp", "--checkpoint-dir", str(d),
