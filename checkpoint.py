@@ -86,7 +86,10 @@ def locked(root: str | os.PathLike):
             _held[key][1] -= 1
         return
     path = root / LOCK_FILE
-    f = open(path, "a+")
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be opened as parlay's lock file ({e.strerror}); remove it") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -158,7 +161,11 @@ def write_file(tmp: Path, file: str, tensors: Mapping[str, np.ndarray], *, run: 
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     # Each block's SHA-256 lives in its own file's header, written by the rank that owns the bytes.
     stamp = json.dumps({"run": run, "step": step, "file": file})
-    save_file(tensors, str(part), metadata={STAMP: stamp, **{k: _sha256(v) for k, v in tensors.items()}})
+    try:
+        save_file(tensors, str(part), metadata={STAMP: stamp, **{k: _sha256(v) for k, v in tensors.items()}})
+    except Exception as e:  # safetensors' error for a full disk or an unwritable folder
+        raise CheckpointError(f"{path}: cannot be written ({str(e).splitlines()[0]}); the checkpoint of step {step} "
+                              f"was not committed (free space, or choose another --checkpoint-dir)") from None
     with open(part, "rb") as f:
         os.fsync(f.fileno())
     os.replace(part, path)
@@ -305,6 +312,8 @@ class Checkpoint:
         self.path = Path(path)
         mpath = self.path / "manifest.json"
         self._where = str(mpath)
+        if mpath.exists() and not mpath.is_file():  # a FIFO would block the read for good
+            raise CheckpointError(f"{mpath}: not a regular file; {self.path} is not a committed parlay checkpoint")
         try:
             text = mpath.read_text()
         except FileNotFoundError:
@@ -378,6 +387,8 @@ class Checkpoint:
 
         if file not in self._files:
             path = self.path / file
+            if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
+                raise CheckpointError(f"{path}: not a regular file (the manifest lists pieces in it)")
             try:
                 self._files[file] = safe_open(str(path), framework="numpy")
             except FileNotFoundError:

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .checkpoint import Checkpoint, latest
+from .checkpoint import Checkpoint, CheckpointError, latest
 from .core import Layout, Mesh, P, Plan, plan_redistribute
 from .core.models.gpt import PRESETS
 from .core.rules import RuleError
@@ -177,14 +177,19 @@ def _check_counts(args) -> None:
                          f"(below 10^6)")
 
 
-def check_output_file(path: str | None, flag: str) -> None:
+def check_output_file(path: str | None, flag: str, suffixes: tuple[str, ...] = ()) -> None:
     """A file the command writes after its run: its folder made and writable now, so a bad path
     fails before the first step rather than after the last."""
     if not path:
         return
-    if os.path.isdir(path):
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
         raise UsageError(f"{flag} {path!r} is a folder; name a file to write")
-    _check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
+    real = os.path.realpath(path)  # a link is written through: check where it points
+    if os.path.exists(real) and not os.path.isfile(real):
+        raise UsageError(f"{flag} {path!r} is not a regular file (a device or a pipe); name a file to write")
+    if suffixes and os.path.splitext(real)[1].lower() not in suffixes:
+        raise UsageError(f"{flag} {path!r}: the file name must end in one of {', '.join(suffixes)}")
+    _check_writable_dir(os.path.dirname(real), f"{flag} {path!r}")
 
 
 def check_output_dir(path: str | None, flag: str) -> None:
@@ -286,7 +291,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; compare runs every backend on this machine, at "
                          f"most 8")
     check_output_file(args.json, "--json")
-    check_output_file(args.plot, "--plot")
+    check_output_file(args.plot, "--plot", (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff"))
     program = _program(args, mesh, backends)
     tol = Tolerance()
     if args.drop_all_reduce:
@@ -462,7 +467,7 @@ def _train(args, console: Console, spec, program, data, describe, baseline) -> i
 
         try:
             result = run_train(spec, on_event, resume=ckpt, init_from=init, program=program)
-        except (Stopped, RuntimeError) as e:  # say what survives: the newest committed checkpoint
+        except (Stopped, RuntimeError, CheckpointError) as e:  # say what survives: the newest committed one
             if args.checkpoint_dir:
                 newest = latest(args.checkpoint_dir)
                 e.note = (f"; the newest committed checkpoint is {newest} (--resume continues it)" if newest else

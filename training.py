@@ -104,15 +104,25 @@ def model_meta(program: Program) -> dict:
 def data_digests(files) -> list[str]:
     """The SHA-256 of each ``--data`` file (read in 1 MiB chunks), so a resume reads the same data."""
     import hashlib
+    import os
 
     out = []
     for path in files:
+        st = os.stat(path)
+        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+        if key in _digested:  # a resume checks, then runs: one read
+            out.append(_digested[key])
+            continue
         h = hashlib.sha256()
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(2**20), b""):
                 h.update(chunk)
-        out.append(h.hexdigest())
+        _digested[key] = h.hexdigest()
+        out.append(_digested[key])
     return out
+
+
+_digested: dict = {}
 
 
 def _meta(spec: TrainSpec, program: Program, count: int, history: dict, source: str, digests: list) -> dict:
@@ -177,7 +187,13 @@ def check_resume(ckpt, spec: TrainSpec, program: Program, digests: list | None =
     if data != want:
         raise CheckpointError(f"{where}: field 'data' is {data}; this run reads {want} (resume with the same "
                               f"--seed, --batch and --data)")
-    changed = [f for f, a, b in zip(spec.data, saved.get("sha256") or [], digests or []) if a != b]
+    listed = saved.get("sha256")
+    if not (isinstance(listed, list) and len(listed) == len(spec.data) and all(isinstance(x, str) for x in listed)):
+        raise CheckpointError(f"{where}: field 'data.sha256' must list one SHA-256 per --data file, not {listed!r:.80}")
+    if ckpt.count() != ckpt.step:
+        raise CheckpointError(f"{where}: the checkpoint holds parameters only (count {ckpt.count()} at step "
+                              f"{ckpt.step}); start a new run from it with --init-from")
+    changed = [f for f, a, b in zip(spec.data, listed, digests) if a != b]
     if changed:
         raise CheckpointError(f"{where}: --data {changed[0]!r} changed since the checkpoint was saved (its SHA-256 "
                               f"differs); resume with the file as it was, or start a new run")

@@ -145,6 +145,29 @@ def test_killing_the_launcher_kills_its_ranks_and_frees_the_folder(tmp_path, cap
     _intact_and_resumable(ck, capsys)  # and taken over
 
 
+def sleep_forever(rank):
+    time.sleep(10**6)
+
+
+def test_a_stop_while_ranks_start_kills_them_once_started():
+    """SIGTERM in the first seconds (a rank forked but not yet "alive" for multiprocessing): the
+    spawn stops its ranks as soon as they exist, not after its own deadline."""
+    import threading
+
+    from parlay.backends.torch.launch import RankFailure, spawn, stop_all
+
+    failure = []
+    thread = threading.Thread(target=lambda: failure.append(pytest.raises(RankFailure, spawn, sleep_forever, 2,
+                                                                          timeout_s=TIMEOUT, wall_s=None)))
+    thread.start()
+    time.sleep(0.05)
+    stop_all()
+    thread.join(timeout=20)
+    assert not thread.is_alive() and failure and "stopped" in str(failure[0].value)
+    assert not [c for c in _children(os.getpid()) if _running(c) and b"spawn_main" in
+                Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
 def spin(rank):
     """Rank 1 stops making progress (a busy loop) after a few all-reduces (a rank that raises:
     tests/test_differential.py)."""
@@ -281,6 +304,27 @@ def test_inconsistent_run_state_is_refused(ck, capsys, edit, message):
     assert message in _resume_error(ck, capsys)
 
 
+def test_a_fifo_in_place_of_a_rank_file_is_refused_not_waited_on(ck, capsys):
+    f = ck / "step-00000004" / "rank-00000.safetensors"
+    f.unlink()
+    os.mkfifo(f)
+    assert "rank-00000.safetensors: not a regular file" in _resume_error(ck, capsys)
+
+
+def test_a_parameters_only_state_or_missing_data_digests_do_not_resume(ck, capsys):
+    _edit(ck / "step-00000004", lambda m: m.update(count=0, losses=[], evals=[]))
+    assert "holds parameters only (count 0 at step 4); start a new run from it with --init-from" in \
+        _resume_error(ck, capsys)
+    _edit(ck / "step-00000004", lambda m: m.update(count=4, losses=[1.0] * 4) or m["data"].update(sha256=None))
+    assert "field 'data.sha256' must list one SHA-256 per --data file" in _resume_error(ck, capsys)
+
+
+def test_a_folder_in_place_of_the_lock_file_is_one_error(ck, capsys):
+    (ck / checkpoint.LOCK_FILE).unlink(missing_ok=True)
+    (ck / checkpoint.LOCK_FILE).mkdir()
+    assert "cannot be opened as parlay's lock file" in _resume_error(ck, capsys)
+
+
 def test_a_deeply_nested_manifest_is_one_error(ck, capsys):
     (ck / "step-00000004" / "manifest.json").write_text("[" * 100000 + "]" * 100000)
     assert _resume_error(ck, capsys).endswith("manifest.json: nested too deeply to be a parlay manifest")
@@ -300,11 +344,12 @@ def test_a_changed_data_file_is_refused_on_resume(tmp_path, capsys):
 
 # -- bad output paths fail before the first step ---------------------------------------------------------------
 
-@pytest.mark.parametrize("flag", ["--json", "--checkpoint-dir"])
-def test_train_checks_its_output_paths_first(tmp_path, capsys, flag):
+@pytest.mark.parametrize("flag, target", [("--json", "{file}/x.json"), ("--checkpoint-dir", "{file}"),
+                                          ("--json", "{tmp}/new-folder/"), ("--json", "/dev/full")])
+def test_train_checks_its_output_paths_first(tmp_path, capsys, flag, target):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    target = str(blocker / "x.json") if flag == "--json" else str(blocker)
+    target = target.format(file=blocker, tmp=tmp_path)
     start = time.monotonic()
     assert main(["train", *TP, "--steps", "100000", flag, target]) == 2
     err = capsys.readouterr()
@@ -321,6 +366,8 @@ def test_compare_checks_its_output_paths_first(tmp_path, capsys):
         (tmp_path / "ro").write_text("")
     assert main(["compare", "--backends", "numpy", "--plot", str(tmp_path / "ro" / "p.png")]) == 2
     assert capsys.readouterr().err.startswith(f"parlay: --plot {str(tmp_path / 'ro' / 'p.png')!r}: cannot write in ")
+    assert main(["compare", "--backends", "numpy", "--plot", str(tmp_path / "p.xyz")]) == 2
+    assert "the file name must end in one of .png" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "nan"])
@@ -378,3 +425,14 @@ def test_a_data_file_is_read_only_as_far_as_the_corpus_goes(tmp_path):
     tracemalloc.stop()
     assert len(corpus.train) + len(corpus.held_out) == 2**20
     assert peak < 4 * 2**20, f"reading 1 MiB of a 64 MiB file peaked at {peak / 2**20:.0f} MiB"
+
+
+def test_a_full_disk_during_a_save_is_one_error_naming_the_file(tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    with pytest.raises(CheckpointError, match=r"rank-00000.safetensors: cannot be written \(\[Errno 28\] No space left "
+                                              r"on device\); the checkpoint of step 3 was not committed"):
+        checkpoint.write_file(tmp_path, "rank-00000.safetensors", {"w@0": np.zeros(4, np.float32)}, run="r", step=3)

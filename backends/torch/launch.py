@@ -115,18 +115,24 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, parent: int, bea
 
 # -- the launcher ------------------------------------------------------------------------------------
 
-_live: set = set()  # rank processes of every spawn running in this process
+_live: dict = {}  # id -> (rank processes, stop event) of every spawn running in this process
 _live_lock = threading.Lock()
 
 
 def stop_all() -> int:
-    """SIGKILL every rank this process started and has not reaped; how many were running."""
+    """SIGKILL every rank this process started and has not reaped, and tell each running spawn
+    to stop (a rank still being started is not alive yet: its spawn kills it once it is); how
+    many were running."""
     with _live_lock:
-        procs = list(_live)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    return len(alive)
+        runs = list(_live.values())
+    alive = 0
+    for procs, stop in runs:
+        stop.set()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                alive += 1
+    return alive
 
 
 def _free_port() -> int:
@@ -158,8 +164,17 @@ def _died(rank: int, code: int | None) -> str:
 class _Watch:
     """The launcher's view of the ranks: results, exits, heartbeats and progress marks."""
 
-    def __init__(self, procs, beats, progress, timeout_s: float):
+    STARTUP_S = 60  # a rank that has not beaten yet is importing torch: this much longer before it is silent
+
+    def __init__(self, procs, beats, progress, timeout_s: float, started: float):
         self.procs, self.beats, self.progress, self.timeout_s = procs, beats, progress, timeout_s
+        self.started = started
+
+    def _stopped(self, r: int) -> bool:
+        return self.procs[r].pid is not None and _state(self.procs[r].pid) == "T"
+
+    def _age(self, r: int, now: float) -> float:
+        return now - self.beats[r]
 
     def dead(self, done) -> str | None:
         for r, p in enumerate(self.procs):
@@ -171,9 +186,10 @@ class _Watch:
         """A rank whose heartbeat is older than the collective timeout."""
         now = time.monotonic()
         for r, p in enumerate(self.procs):
-            age = now - self.beats[r]
-            if r not in done and self.beats[r] > 0 and age > self.timeout_s:
-                why = "is stopped (SIGSTOP or a debugger)" if _state(p.pid) == "T" else "is frozen"
+            age = self._age(r, now)
+            limit = self.timeout_s + (self.STARTUP_S if self.beats[r] == self.started else 0)
+            if r not in done and p.pid is not None and age > limit:
+                why = "is stopped (SIGSTOP or a debugger)" if self._stopped(r) else "is frozen"
                 return (f"rank {r} {why}: no heartbeat for {age:.0f} s (the collective timeout is "
                         f"{self.timeout_s:g} s); stopped the run")
         return None
@@ -186,12 +202,14 @@ class _Watch:
             return f"rank {reporter} failed: {text}"
         now = time.monotonic()
         others = [r for r in range(len(self.procs)) if r not in done and r != reporter]
-        stale = [r for r in others if now - self.beats[r] > 4 * HEARTBEAT_S + 1]
+        stale = [r for r in others if self._stopped(r) or self._age(r, now) > 4 * HEARTBEAT_S + 1]
         if stale:
-            r = max(stale, key=lambda r: now - self.beats[r])
-            why = "is stopped (SIGSTOP or a debugger)" if _state(self.procs[r].pid) == "T" else "stopped responding"
-            return (f"rank {r} {why}: no heartbeat for {now - self.beats[r]:.0f} s; rank {reporter}'s collective "
-                    f"timed out after {self.timeout_s:g} s waiting for it ({first})")
+            r = max(stale, key=lambda r: (self._stopped(r), self._age(r, now)))
+            why = "is stopped (SIGSTOP or a debugger)" if self._stopped(r) else "stopped responding"
+            beat = ("no heartbeat since it started" if self.beats[r] == self.started else
+                    f"no heartbeat for {self._age(r, now):.0f} s")
+            return (f"rank {r} {why}: {beat}; rank {reporter}'s collective timed out after {self.timeout_s:g} s "
+                    f"waiting for it ({first})")
         if others:
             r = min(others, key=lambda r: self.progress[r])
             return (f"rank {r} made no progress for {now - self.progress[r]:.0f} s; rank {reporter}'s collective "
@@ -220,19 +238,24 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, os.getpid(), beats, progress, fn,
                                                args, results), daemon=True)
              for r in range(world_size)]
+    stop = threading.Event()
     with _live_lock:
-        _live.update(procs)
-    watch = _Watch(procs, beats, progress, timeout_s)
+        _live[id(stop)] = (procs, stop)
+    started = time.monotonic()
+    watch = _Watch(procs, beats, progress, timeout_s, started)
     out: dict[int, Any] = {}
     wall = timeout_s + 30 if wall_s == -1 else wall_s  # the ranks' own collective timeout fires first
     deadline = None if wall is None else time.monotonic() + wall
-    started = time.monotonic()
     try:
+        for r in range(world_size):  # a rank not yet beating counts from its start
+            beats[r] = progress[r] = started
         for p in procs:
+            if stop.is_set():
+                break
             p.start()
-        for r in range(world_size):  # a rank not yet beating counts from now (interpreter start)
-            beats[r] = progress[r] = started + 60  # allow a minute to import torch
         while len(out) < world_size:
+            if stop.is_set():
+                raise RankFailure("stopped: the launcher was told to stop its ranks")
             try:
                 rank, ok, value = results.get(timeout=HEARTBEAT_S)
             except queue.Empty:
@@ -254,7 +277,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
     finally:
         _reap(procs)
         with _live_lock:
-            _live.difference_update(procs)
+            _live.pop(id(stop), None)
     return [out[r] for r in range(world_size)]
 
 
@@ -262,10 +285,11 @@ def _reap(procs) -> None:
     """Every rank gone, at once: with every result in hand nothing is left to wait for (their
     files are fsynced before they return), and a stopped rank ignores anything but SIGKILL."""
     for p in procs:
-        if p.is_alive():
+        if p.pid is not None and p.is_alive():
             p.kill()
     for p in procs:
-        p.join(timeout=5)
+        if p.pid is not None:
+            p.join(timeout=5)
 
 
 def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> str:
