@@ -20,7 +20,6 @@ import functools
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
