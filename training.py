@@ -110,7 +110,7 @@ def data_digests(files) -> list[str]:
     for path in files:
         st = os.stat(path)
         key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-        if key in _digested:  # a resume checks, then runs: one read
+        if key in _digested:  # the CLI's resume check, run_train's and the run itself: one read
             out.append(_digested[key])
             continue
         h = hashlib.sha256()
@@ -173,14 +173,13 @@ def check_init(ckpt, program: Program) -> None:
     ckpt.open_all()
 
 
-def check_resume(ckpt, spec: TrainSpec, program: Program, digests: list | None = None) -> None:
-    """A checkpoint continues this run only with the same model, data (``digests``: the --data
-    files' SHA-256, default computed here) and optimizer."""
+def check_resume(ckpt, spec: TrainSpec, program: Program) -> None:
+    """A checkpoint continues this run only with the same model, data (the --data files' SHA-256)
+    and optimizer."""
     from .checkpoint import CheckpointError
 
     where = f"{ckpt.path}/manifest.json"
     _check_model(ckpt, program)
-    digests = data_digests(spec.data) if digests is None else digests
     saved = ckpt.meta("data")
     data = {k: saved.get(k) for k in ("seed", "batch", "files")}
     want = {"seed": spec.seed, "batch": spec.batch, "files": list(spec.data)}
@@ -193,7 +192,7 @@ def check_resume(ckpt, spec: TrainSpec, program: Program, digests: list | None =
     if ckpt.count() != ckpt.step:
         raise CheckpointError(f"{where}: the checkpoint holds parameters only (count {ckpt.count()} at step "
                               f"{ckpt.step}); start a new run from it with --init-from")
-    changed = [f for f, a, b in zip(spec.data, listed, digests) if a != b]
+    changed = [f for f, a, b in zip(spec.data, listed, data_digests(spec.data)) if a != b]
     if changed:
         raise CheckpointError(f"{where}: --data {changed[0]!r} changed since the checkpoint was saved (its SHA-256 "
                               f"differs); resume with the file as it was, or start a new run")
@@ -278,9 +277,8 @@ def run_train(spec: TrainSpec, on_event: Callable = lambda e: None, *, resume=No
     start = time.perf_counter()
     if init:
         check_init(init, program)
-    digests = data_digests(spec.data)
     if ckpt:
-        check_resume(ckpt, spec, program, digests)
+        check_resume(ckpt, spec, program)
         history = _history(ckpt)
         result.losses, result.evals = list(history["losses"]), [tuple(e) for e in history["evals"]]
     first = (ckpt.step if ckpt else 0) + 1
@@ -299,7 +297,7 @@ def run_train(spec: TrainSpec, on_event: Callable = lambda e: None, *, resume=No
     with locked(spec.checkpoint_dir) if spec.checkpoint_dir else contextlib.nullcontext():
         get_backend(spec.backend).run(program, train_loop, spec,
                                       *(None if c is None else str(c.path) for c in (ckpt, init)),
-                                      {"id": new_run_id(), "data_sha256": digests}, seed=spec.seed, on_event=record, timeout_s=spec.collective_timeout)
+                                      {"id": new_run_id(), "data_sha256": data_digests(spec.data)}, seed=spec.seed, on_event=record, timeout_s=spec.collective_timeout)
     result.seconds = time.perf_counter() - start
     return result
 
