@@ -21,6 +21,7 @@ from .checkpoint import Checkpoint, CheckpointError, latest
 from .core import Layout, Mesh, P, Plan, plan_redistribute
 from .core.models.gpt import PRESETS
 from .core.rules import RuleError
+from .core.schedule import ScheduleError
 
 __all__ = ["main"]
 
@@ -155,6 +156,28 @@ def _cmd_redistribute(args: argparse.Namespace, console: Console) -> int:
     dst = Layout(mesh, P.parse(args.dst), parse_axes(args.dst_partial))
     plan = plan_redistribute(src, dst, shape, itemsize=_DTYPES[args.dtype])
     print_plan(plan, console)
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace, console: Console) -> int:
+    from .core.schedule import Costs, make_schedule, simulate_schedule
+    from .scheduling import parse_costs, plot_schedule, print_schedule, schedule_json
+
+    check_output_file(args.json, "--json")
+    check_output_file(args.plot or None, "--plot", (".png", ".svg", ".pdf"))
+    f, i, w = parse_costs(args.costs)
+    if args.comm < 0 or args.activation_bytes < 0:
+        raise UsageError(f"--comm {args.comm} and --activation-bytes {args.activation_bytes} must be >= 0")
+    sched = make_schedule(args.schedule, args.pp, args.microbatches, virtual=args.virtual_stages)
+    sim = simulate_schedule(sched, Costs(f=f, i=i, w=w, comm=args.comm, activation_bytes=args.activation_bytes))
+    print_schedule(sim, console, comms=args.comms)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(schedule_json(sim))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        plot_schedule(sim, args.plot)
+        console.print(f"wrote {args.plot}")
     return 0
 
 
@@ -620,6 +643,27 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("checkpoint_dir", help="where the step folder is written")
     i.add_argument("--step", type=int, default=0)
     i.set_defaults(run=_cmd_import_hf)
+    s = sub.add_parser(
+        "schedule", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="a pipeline schedule: its action table, bubble, peak memory and a PNG timeline",
+        description="Build a pipeline schedule (per-rank lists of forward, backward, input-gradient and "
+                    "weight-gradient actions), check it (dependencies, matched sends, no deadlock) and simulate it "
+                    "with the given per-stage costs: the makespan, each rank's idle time, the bubble fraction, the "
+                    "most microbatches each rank holds, the bytes each rank sends; draws the timeline.",
+    )
+    s.add_argument("--pp", type=int, required=True, help="pipeline ranks (the pp axis's size)")
+    s.add_argument("--microbatches", type=int, required=True, help="microbatches per step")
+    s.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1 or zbv")
+    s.add_argument("--virtual-stages", type=int, default=None,
+                   help="stages per rank (interleaved: default 2; zbv: 2; the others: 1)")
+    s.add_argument("--costs", default="1,1,1", help="F,I,W: a stage's forward, input-gradient and weight-gradient "
+                                                     "times (a whole backward B is I + W)")
+    s.add_argument("--comm", type=float, default=0.0, help="time for a value to cross between ranks")
+    s.add_argument("--activation-bytes", type=int, default=0, help="bytes of one stage's output per microbatch")
+    s.add_argument("--comms", action="store_true", help="list the sends and receives in the table too")
+    s.add_argument("--json", default=None, help="write the schedule, its figures and timeline here")
+    s.add_argument("--plot", default="out/schedule.png", help="write the timeline picture here ('' for none)")
+    s.set_defaults(run=_cmd_schedule)
     return parser
 
 
@@ -650,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(str(e) if str(e).startswith("parlay") else f"parlay: {e}", file=sys.stderr)
         return 2
-    except RuleError as e:  # every bullet: each is a separate problem to fix
+    except (RuleError, ScheduleError) as e:  # every bullet: each is a separate problem to fix
         print(f"parlay: {e}", file=sys.stderr)
         return 2
     except (ValueError, TypeError) as e:
