@@ -192,7 +192,7 @@ def _backend_name(args) -> str:
 
 
 def _check_counts(args) -> None:
-    for flag in ("steps", "batch"):
+    for flag in ("steps", "batch", "microbatches"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)} must be positive")
     if not 0 < args.collective_timeout < 10**6:  # NaN fails too
@@ -242,7 +242,7 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
     for name in backends:
         get_backend(name).prepare(mesh)
     program = program_from(args.model, args.strategy, mesh, batch=args.batch,
-                           optimizer=extra.get("optimizer", OptimizerConfig()))
+                           optimizer=extra.get("optimizer", OptimizerConfig()), microbatches=args.microbatches)
     check_memory(program, batches=1 + getattr(args, "eval_batches", 0),
                  processes=mesh.size if "torch" in backends else 1)
     return program
@@ -407,7 +407,8 @@ def _train_spec(args, mesh: Mesh, backend: str):
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
     return TrainSpec(backend=backend, strategy=args.strategy, mesh=tuple(mesh.axes), model=args.model,
-                     steps=args.steps, batch=args.batch, seed=args.seed, optimizer=optimizer,
+                     steps=args.steps, batch=args.batch, microbatches=args.microbatches, seed=args.seed,
+                     optimizer=optimizer,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                      keep_last=args.keep_last, collective_timeout=args.collective_timeout)
@@ -544,6 +545,9 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
     p.add_argument("--strategy", default=strategy, required=strategy is None, help=_STRATEGY_HELP)
     p.add_argument("--steps", type=int, default=steps, help="training steps (AdamW updates)")
     p.add_argument("--batch", type=int, default=batch, help="examples per step (global: split by the strategy)")
+    p.add_argument("--microbatches", type=int, default=1, metavar="K",
+                   help="run each step's batch as K microbatches of batch/K, their gradients summed before the one "
+                        "update (gradient accumulation: the same step as one batch, a K-th of the activations)")
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "

@@ -37,6 +37,7 @@ class TrainSpec:
     batch: int = 16
     seed: int = 0
     optimizer: OptimizerConfig = OptimizerConfig()
+    microbatches: int = 1  # gradient accumulation: each step's batch as this many microbatches
     eval_every: int = 50
     eval_batches: int = 8
     data: tuple[str, ...] = ()  # files for the model's dataset (the GPT: text); empty: its default
@@ -85,7 +86,8 @@ class TrainingDiverged(RuntimeError):
 
 
 def make_train_program(spec: TrainSpec) -> Program:
-    return program_from(spec.model, spec.strategy, Mesh(spec.mesh), batch=spec.batch, optimizer=spec.optimizer)
+    return program_from(spec.model, spec.strategy, Mesh(spec.mesh), batch=spec.batch, optimizer=spec.optimizer,
+                        microbatches=spec.microbatches)
 
 
 def dataset_of(model, files=()):

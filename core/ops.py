@@ -158,13 +158,16 @@ class DropoutKey:
     size: its low and high 32-bit words both key the mask, so step 2**32 + t is not step t) or,
     traced under JAX, the int32 pair ``step_words(t)``."""
 
-    __slots__ = ("seed", "step", "step_hi")
+    __slots__ = ("seed", "step", "step_hi", "row_stride", "row_offset")
 
-    def __init__(self, seed: int = 0, step: Any = 0):
+    def __init__(self, seed: int = 0, step: Any = 0, *, rows: tuple[Any, Any] = (1, 0)):
         self.seed = np.int32(_i32(int(seed)))
         if isinstance(step, (int, np.integer)):
             step = step_words(int(step))
         self.step, self.step_hi = step[0], step[1]
+        # Microbatch i of k holds the batch's rows i, i+k, ...: its row r is the batch's row r*k + i,
+        # so a step in microbatches draws the masks the whole batch would (dim 0 is the batch dim).
+        self.row_stride, self.row_offset = rows
 
 
 def step_words(step: int) -> np.ndarray:
@@ -198,6 +201,7 @@ def dropout_keep(coords: Sequence[Any], rate: float, key: str, rng: DropoutKey):
     ``hash(seed, step, key, coords) >= rate * 2**24`` on its top 24 bits (``step`` as two words)."""
     import zlib
 
+    coords = [coords[0] * rng.row_stride + rng.row_offset, *coords[1:]] if len(coords) else coords
     words = coords[0] * 0 + np.int32(_i32(zlib.crc32(key.encode())))
     words = _mix(words ^ rng.seed)
     words = _mix(words ^ rng.step)

@@ -52,6 +52,7 @@ class Program:
     layouts: Mapping[Role, Mapping[str, Layout]]
     activations: Mapping[tuple, Layout]
     trace: Trace
+    microbatches: int = 1  # a step of ``batch`` runs as this many microbatches of batch/microbatches
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -78,10 +79,24 @@ class Program:
     def init(self, seed: int = 0):
         return model_init(self.model, seed)
 
+    @property
+    def micro(self) -> "Program":
+        """The program of one microbatch (batch / microbatches examples; itself when there is one).
+        Microbatch i of a batch is its rows i, i + k, i + 2k, ... (``microbatch_rows``): every rank's
+        block of it is the same rows of the rank's own block, so no data moves to form it."""
+        if self.microbatches == 1:
+            return self
+        cached = self.__dict__.get("_micro")
+        if cached is None:
+            cached = self.replace(batch=self.batch // self.microbatches, microbatches=1)
+            object.__setattr__(self, "_micro", cached)
+        return cached
+
     def replace(self, **changes) -> "Program":
         """The same program with other settings (``fault``, ``optimizer``, ``batch``, ...), checked again."""
         keep = dict(model=self.model, strategy=self.strategy, mesh=self.mesh, batch=self.batch,
-                    optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault)
+                    optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
+                    microbatches=self.microbatches)
         keep.update(changes)
         if set(changes) <= {"fault", "optimizer", "model_ref"}:
             return dataclasses.replace(self, **changes)
@@ -89,7 +104,7 @@ class Program:
 
     def __getstate__(self):
         # A model loaded from a file rebuilds from its reference in another process.
-        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not the cached micro
         if self.model_ref is not None and _needs_ref(self.model):
             state["model"] = None
         return state
@@ -159,15 +174,23 @@ class _Problems:
 
 def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: int,
                  optimizer: OptimizerConfig = OptimizerConfig(), model_ref: str | None = None,
-                 fault: Fault | None = None) -> Program:
+                 fault: Fault | None = None, microbatches: int = 1) -> Program:
     """Resolve and check every layout of ``model`` under ``strategy`` on ``mesh`` for batches of
-    ``batch``; raises one ``ProgramError`` listing every problem."""
+    ``batch`` (run as ``microbatches`` microbatches a step: gradient accumulation); raises one
+    ``ProgramError`` listing every problem."""
     model = check_model(model)
     strategy = load_strategy(strategy)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"make_program: mesh must be a parlay.Mesh, got {mesh!r}.")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r} must be a positive int.")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches={microbatches!r} must be a positive int.")
+    if batch % microbatches:
+        raise ProgramError(f"batch {batch} cannot be cut into {microbatches} microbatches:", [
+            f"a step's batch is split into equal microbatches; {batch} is not divisible by {microbatches}: use a batch "
+            f"of {batch - batch % microbatches or microbatches} or {batch - batch % microbatches + microbatches}, or "
+            f"a microbatch count that divides {batch}"])
     headline = f"strategy {strategy.name!r} cannot run this model on {mesh} with batch {batch}:"
     problems = _Problems(mesh, strategy)
     missing = [a for a in strategy.axes if not mesh.has_axis(a)]
@@ -266,11 +289,20 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         problems.add(f"mesh axis {a!r} (size {mesh.axis_size(a)}) shards no tensor under strategy {strategy.name!r}, "
                      f"so every rank along it would compute the same thing; {why}")
     problems.raise_if_any(headline)
-    return Program(model, strategy, mesh, batch, optimizer, model_ref, fault, decls, inputs, layouts, activations, tr)
+    program = Program(model, strategy, mesh, batch, optimizer, model_ref, fault, decls, inputs, layouts, activations, tr,
+                      microbatches)
+    if microbatches > 1:
+        try:
+            program.micro  # noqa: B018 (checks the microbatch's shapes against the layouts)
+        except ProgramError as e:
+            raise ProgramError(f"strategy {strategy.name!r} cannot run this model on {mesh} with batch {batch} in "
+                               f"{microbatches} microbatches of {batch // microbatches}:", e.problems) from None
+    return program
 
 
 def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
-                 optimizer: OptimizerConfig = OptimizerConfig(), fault: Fault | None = None) -> Program:
+                 optimizer: OptimizerConfig = OptimizerConfig(), fault: Fault | None = None,
+                 microbatches: int = 1) -> Program:
     """``make_program`` from references: a preset or FILE.py:NAME / module:NAME, and built-in
     strategy names or FILE.py:NAME references joined by '+' (the command line's --model and
     --strategy); the program keeps the model's reference, to rebuild it elsewhere."""
@@ -278,4 +310,4 @@ def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
 
     model, ref = load_model(model_ref)
     return make_program(model, load_strategy(strategy_ref), mesh, batch=batch, optimizer=optimizer,
-                        model_ref=ref or model_ref, fault=fault)
+                        model_ref=ref or model_ref, fault=fault, microbatches=microbatches)

@@ -22,7 +22,7 @@ from .program import Program
 from .spec import Layout
 from .strategies import Role
 
-__all__ = ["Session", "Backend", "BACKENDS", "get_backend", "sharded_params", "sharded_inputs",
+__all__ = ["Session", "Backend", "BACKENDS", "get_backend", "sharded_params", "sharded_inputs", "microbatches",
            "input_values", "check_batch", "make_executor", "scalar_loss", "LossVaries", "RunFailure"]
 
 
@@ -146,7 +146,7 @@ def sharded_inputs(program: Program, batch: Mapping[str, np.ndarray], place: Cal
 
 
 def make_executor(program: Program, comm, params: Mapping[str, Sharded], *, coalesce: bool = True, hooks=None,
-                  training: bool = True, step: Any = 0, seed: int = 0) -> ShardedOps:
+                  training: bool = True, step: Any = 0, seed: int = 0, rows: tuple = (1, 0)) -> ShardedOps:
     """The executor of one forward: the program's layouts, FSDP's per-block gathers where
     ``coalesce``, dropout keyed by (seed, step)."""
     from .executor import Hooks
@@ -156,7 +156,7 @@ def make_executor(program: Program, comm, params: Mapping[str, Sharded], *, coal
         hooks = dataclasses.replace(hooks, fault=program.fault)  # the caller's Hooks stay as they were
     return ShardedOps(comm, activation=program.activation, compute=program.compute,
                       groups=group_members(params, program.dims) if coalesce else None, hooks=hooks,
-                      training=training, rng=DropoutKey(seed, step))
+                      training=training, rng=DropoutKey(seed, step, rows=rows))
 
 
 def scalar_loss(ops: ShardedOps, loss: Any) -> Any:
@@ -168,3 +168,16 @@ def scalar_loss(ops: ShardedOps, loss: Any) -> Any:
         raise LossVaries(f"the loss has shape {loss.shape}: it still holds a value per position; loss(ops, params, "
                          f"batch) must reduce it to a scalar (ops.mean, ops.sum, ops.cross_entropy).")
     return ops.finish_loss(loss).local
+
+
+def microbatches(program: Program, batch: Mapping[str, np.ndarray]) -> list[tuple[dict[str, np.ndarray], tuple]]:
+    """A step's batch as ``program.microbatches`` microbatches: (arrays of microbatch i, its dropout
+    rows ``(k, i)``). Microbatch i is rows i, i+k, i+2k, ... of every input, so each rank's block of
+    it is the same rows of the rank's own block. Each microbatch's loss is weighted 1/k once, before
+    its backward: the model's loss is a mean over the examples, and every microbatch holds the same
+    number of them, so the sum is the whole batch's mean (no per-microbatch renormalisation)."""
+    k = program.microbatches
+    arrays = check_batch(program, batch)
+    if k == 1:
+        return [(arrays, (1, 0))]
+    return [({name: np.ascontiguousarray(x[i::k]) for name, x in arrays.items()}, (k, i)) for i in range(k)]

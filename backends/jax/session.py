@@ -30,7 +30,7 @@ from ...core.ops import DenseOps, DropoutKey, step_words
 from ...core.optim import OptimizerConfig
 from ...core.pieces import Piece, box, piece_key, rank_file
 from ...core.program import Program
-from ...core.session import check_batch, input_values, make_executor, scalar_loss, sharded_params
+from ...core.session import check_batch, input_values, make_executor, microbatches, scalar_loss, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
 from .comm import JaxComm
@@ -115,9 +115,25 @@ class JaxSession:
     def _place_batch(self, batch):
         return self._place(check_batch(self.program, batch), Role.ACTIVATIONS)
 
+    def _place_microbatches(self, batch):
+        """A step's batch for the jitted step: itself, or its k microbatches stacked on a new
+        leading dim (each sharded as the microbatch program says, the stack dim whole)."""
+        p = self.program
+        if p.microbatches == 1:
+            return self._place_batch(batch)
+        parts = microbatches(p, batch)
+        stacked = {n: np.stack([arrays[n] for arrays, _ in parts]) for n in p.inputs}
+        if self.mode is Mode.SINGLE:
+            return {n: jax.device_put(v, self.device) for n, v in stacked.items()}
+        out = {}
+        for n, v in stacked.items():
+            spec = self._sharding(p.micro.layouts[Role.ACTIVATIONS][n]).spec
+            out[n] = put(v, NamedSharding(self.jax_mesh, PartitionSpec(None, *spec)))
+        return out
+
     # -- the loss in each mode -------------------------------------------------------------------------
-    def _dense_ops(self, training: bool, step) -> DenseOps:
-        rng = DropoutKey(self.seed, step)
+    def _dense_ops(self, training: bool, step, rows=(1, 0)) -> DenseOps:
+        rng = DropoutKey(self.seed, step, rows=rows)
         if self.mode is Mode.SINGLE:
             return DenseOps(JaxLocal(), training=training, rng=rng)
         p = self.program
@@ -126,32 +142,52 @@ class JaxSession:
         param = lambda name, x, dims: wsc(x, self._sharding(p.compute(name)))
         return DenseOps(JaxLocal(), constrain=constrain, param=param, training=training, rng=rng)
 
-    def _loss(self, params, batch, step, training: bool = True, wrap_ops=None):
+    def _loss(self, params, batch, step, training: bool = True, wrap_ops=None, program: Program | None = None,
+              rows=(1, 0)):
         if self.mode is Mode.EXPLICIT:
-            return self._explicit_loss(params, batch, step, training, wrap_ops)
-        ops = self._dense_ops(training, step)
-        return self.program.model.loss(wrap_ops(ops) if wrap_ops else ops, params, batch)
+            return self._explicit_loss(params, batch, step, training, wrap_ops, program=program, rows=rows)
+        p = self.program if program is None else program
+        ops = self._dense_ops(training, step, rows)
+        return p.model.loss(wrap_ops(ops) if wrap_ops else ops, params, batch)
 
-    def _explicit_loss(self, params, batch, step, training, wrap_ops=None):
+    def _explicit_loss(self, params, batch, step, training, wrap_ops=None, program: Program | None = None,
+                       rows=(1, 0)):
         """The whole forward in shard_map; every redistribution is a core plan on lax collectives.
         ``wrap_ops(ops)``, if given, wraps the executor (the bisect records every op through it)."""
-        p, atoms = self.program, self.atoms
+        p, atoms = self.program if program is None else program, self.atoms
 
-        def local(params, batch, step):
+        def local(params, batch, step, rows):
             comm = JaxComm(atoms, self.log)
             sp, sb = sharded_params(p, params), input_values(p, batch)
-            ops = make_executor(p, comm, sp, coalesce=False, training=training, step=step, seed=self.seed)
+            ops = make_executor(p, comm, sp, coalesce=False, training=training, step=step, seed=self.seed,
+                                rows=(rows[0], rows[1]))
             rec = wrap_ops(ops) if wrap_ops is not None else ops
             return scalar_loss(ops, p.model.loss(rec, sp, sb))
 
         spec = lambda role, k: atoms.spec(p.layouts[role][k])
         in_specs = ({k: spec(Role.PARAMS, k) for k in params}, {k: spec(Role.ACTIVATIONS, k) for k in batch},
-                    PartitionSpec())
+                    PartitionSpec(), PartitionSpec())
+        rows = jax.numpy.asarray(rows, jax.numpy.int32)
         return jax.shard_map(local, mesh=self.jax_mesh, in_specs=in_specs, out_specs=PartitionSpec())(
-            params, batch, step)
+            params, batch, step, rows)
 
     def _loss_and_grads(self, params, batch, step, training: bool = True):
-        loss, grads = jax.value_and_grad(self._loss)(params, batch, step, training)
+        k = self.program.microbatches
+        if k == 1:
+            loss, grads = jax.value_and_grad(self._loss)(params, batch, step, training)
+        else:
+            # Gradient accumulation: a scan over the stacked microbatches (one microbatch's
+            # activations live at a time), each loss weighted 1/k before its gradient.
+            micro, jnp = self.program.micro, jax.numpy
+
+            def one(carry, xs):
+                mb, i = xs
+                weighted = lambda p: self._loss(p, mb, step, training, program=micro, rows=(k, i)) / k
+                loss, grads = jax.value_and_grad(weighted)(params)
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(one, zeros, (batch, jnp.arange(k, dtype=jnp.int32)))
         if self.mode is not Mode.SINGLE:
             layouts = self.program.layouts[Role.GRADS]
             grads = {k: jax.lax.with_sharding_constraint(g, self._sharding(layouts[k])) for k, g in grads.items()}
@@ -188,7 +224,8 @@ class JaxSession:
     # -- the Session contract ----------------------------------------------------------------------------
     def _step_args(self, batch):
         """The jitted step's arguments besides the state: the batch, the step's two words, the rate."""
-        return self._place_batch(batch), step_words(self.count), np.float32(self.program.optimizer.lr_at(self.count))
+        return (self._place_microbatches(batch), step_words(self.count),
+                np.float32(self.program.optimizer.lr_at(self.count)))
 
     def step(self, batch) -> float:
         self.state, loss = self._step(self.state, *self._step_args(batch))
@@ -203,7 +240,7 @@ class JaxSession:
         return float(fetch(self._eval(self.state["params"], self._place_batch(batch), step_words(self.count))))
 
     def loss_and_grads(self, batch):
-        loss, grads = self._grads(self.state["params"], self._place_batch(batch), step_words(self.count))
+        loss, grads = self._grads(self.state["params"], self._place_microbatches(batch), step_words(self.count))
         return float(fetch(loss)), {k: fetch(v) for k, v in grads.items()}
 
     def params(self) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ from ...core.ops import DenseOps, DropoutKey
 from ...core.optim import AdamState, adamw_update
 from ...core.pieces import owned_blocks, pieces_of, rank_file
 from ...core.program import Program
-from ...core.session import check_batch, make_executor, scalar_loss, sharded_inputs, sharded_params
+from ...core.session import check_batch, make_executor, microbatches, scalar_loss, sharded_inputs, sharded_params
 from ...core.sim import gather, scatter
 from ...core.spec import Layout
 from ...core.strategies import Role
@@ -59,12 +59,13 @@ class NumpySession:
         self._emit = emit
 
     # -- one forward (and backward) ------------------------------------------------------------------
-    def _forward(self, batch, *, training: bool, wrap=None):
-        """(loss value per rank or whole, leaves by parameter name)."""
-        p, model = self.program, self.program.model
+    def _forward(self, batch, *, training: bool, wrap=None, program: Program | None = None, rows=(1, 0)):
+        """(loss value per rank or whole, leaves by parameter name) of one (micro)batch."""
+        p = self.program if program is None else program
+        model = p.model
         if self.single:
             leaves = {k: ad.Var(v) for k, v in self._params.items()}
-            ops = DenseOps(NumpyLocal(), training=training, rng=DropoutKey(self.seed, self.opt.count))
+            ops = DenseOps(NumpyLocal(), training=training, rng=DropoutKey(self.seed, self.opt.count, rows=rows))
             ops = wrap(ops) if wrap is not None else ops
             inputs = check_batch(p, batch)
             return [model.loss(ops, leaves, inputs)], {k: [v] for k, v in leaves.items()}, None
@@ -72,15 +73,27 @@ class NumpySession:
         leaves = {k: [ad.Var(b) for b in scatter(v, p.layouts[Role.PARAMS][k])] for k, v in self._params.items()}
         params = sharded_params(p, {k: PerRank(v) for k, v in leaves.items()})
         inputs = sharded_inputs(p, batch, lambda x, layout: PerRank(scatter(x, layout)))
-        ops = make_executor(p, comm, params, training=training, step=self.opt.count, seed=self.seed)
+        ops = make_executor(p, comm, params, training=training, step=self.opt.count, seed=self.seed, rows=rows)
         rec = wrap(ops) if wrap is not None else ops
         loss = scalar_loss(ops, model.loss(rec, params, inputs))
         return loss.values, leaves, ops
 
     def _grads(self, batch, *, training: bool = True):
-        outs, leaves, _ = self._forward(batch, training=training)
+        """The loss and global gradients of a step's batch: each microbatch's backward of its loss
+        weighted 1/k (``core.session.microbatches``), the gradients summed."""
+        parts = microbatches(self.program, batch)
+        total, out = 0.0, {}
+        for arrays, rows in parts:
+            loss, grads = self._grads_of(arrays, training=training, rows=rows, weight=1.0 / len(parts))
+            total += loss / len(parts)
+            out = grads if not out else {k: out[k] + grads[k] for k in out}
+        return total, out
+
+    def _grads_of(self, batch, *, training: bool, rows, weight: float):
+        outs, leaves, _ = self._forward(batch, training=training, program=self.program.micro, rows=rows)
         flat = [v for k in leaves for v in leaves[k]]
-        grads = ad.grad(outs, flat)
+        seeds = None if weight == 1.0 else [np.full_like(ad.value(o), weight) for o in outs]
+        grads = ad.grad(outs, flat, seeds)
         out, i = {}, 0
         for k, vs in leaves.items():
             blocks = [np.zeros_like(ad.value(v)) if g is None else g for v, g in zip(vs, grads[i:i + len(vs)])]

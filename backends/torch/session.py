@@ -25,7 +25,7 @@ from ...core.ops import DenseOps, DropoutKey
 from ...core.optim import OptimizerConfig
 from ...core.pieces import owned_blocks, pieces_of, rank_file
 from ...core.program import Program
-from ...core.session import check_batch, make_executor, scalar_loss, sharded_inputs, sharded_params
+from ...core.session import check_batch, make_executor, microbatches, scalar_loss, sharded_inputs, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
 from .collectives import run_plan
@@ -180,33 +180,40 @@ class TorchSingleSession:
         self.params_ = {k: torch.tensor(np.asarray(params[k], np.float32), requires_grad=True) for k in program.shapes}
         self.opt = _adamw(list(self.params_.values()), program.optimizer)
 
-    def _loss(self, batch, *, training: bool, wrap=None):
-        ops = DenseOps(self.local_ops, training=training, rng=DropoutKey(self.seed, self.count))
-        return self.program.model.loss(wrap(ops) if wrap else ops, self.params_, _torch_batch(self.program, batch, "cpu"))
+    def _loss(self, batch, *, training: bool, wrap=None, program: Program | None = None, rows=(1, 0)):
+        p = self.program if program is None else program
+        ops = DenseOps(self.local_ops, training=training, rng=DropoutKey(self.seed, self.count, rows=rows))
+        return p.model.loss(wrap(ops) if wrap else ops, self.params_, _torch_batch(p, batch, "cpu"))
+
+    def _accumulate(self, batch) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        parts = microbatches(self.program, batch)
+        total = 0.0
+        for arrays, rows in parts:
+            loss = self._loss(arrays, training=True, program=self.program.micro, rows=rows)
+            (loss / len(parts) if len(parts) > 1 else loss).backward()
+            total += float(loss.detach()) / len(parts)
+        return total
 
     def step(self, batch) -> float:
-        self.opt.zero_grad(set_to_none=True)
-        loss = self._loss(batch, training=True)
-        loss.backward()
+        loss = self._accumulate(batch)
         with torch.no_grad():
             norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params_.values())).float()
             scale = _clip(norm, self.program.optimizer.clip)
             for p in self.params_.values():
                 p.grad.mul_(scale)
         self.count = _adamw_step(self.opt, self.program.optimizer, self.count)
-        return float(loss.detach())
+        return loss
 
     def eval_loss(self, batch) -> float:
         with torch.no_grad():
             return float(self._loss(batch, training=False))
 
     def loss_and_grads(self, batch):
-        self.opt.zero_grad(set_to_none=True)
-        loss = self._loss(batch, training=True)
-        loss.backward()
+        loss = self._accumulate(batch)
         grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)).numpy().copy() for k, v in self.params_.items()}
         self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach()), grads
+        return loss, grads
 
     def params(self) -> dict[str, np.ndarray]:
         return {k: v.detach().numpy().copy() for k, v in self.params_.items()}
@@ -320,20 +327,38 @@ class TorchSession:
             lay[k].shard_slices(np.shape(params[k]))[self.rank]]), device=self.device) for k in self.program.shapes}
 
     # -- forward and backward -----------------------------------------------------------------------------
-    def loss(self, batch, *, training: bool = True, wrap=None) -> torch.Tensor:
-        """This rank's loss (the same on every rank); ``wrap(ops)`` wraps the executor."""
-        p = self.program
+    def loss(self, batch, *, training: bool = True, wrap=None, program: Program | None = None, rows=(1, 0),
+             accumulate: bool = False) -> torch.Tensor:
+        """This rank's loss (the same on every rank) of a batch of ``program`` (default: the
+        session's); ``wrap(ops)`` wraps the executor. ``accumulate``: the next backward adds to the
+        gradients the last one left (a microbatch of a step), rather than starting anew."""
+        p = self.program if program is None else program
         comm = TorchComm(self.tm, self.local_ops, log=self.log, grad_sync=self.grad_sync)
         place = lambda x, layout: torch.as_tensor(np.ascontiguousarray(x[layout.shard_slices(x.shape)[self.rank]]),
                                                   device=self.device)
         sp = sharded_params(p, self.local)
         sb = sharded_inputs(p, batch, place)
         hooks, self.hooks = self.hooks, None
-        if self.grad_sync is not None and torch.is_grad_enabled():
+        if self.grad_sync is not None and torch.is_grad_enabled() and not accumulate:
             self.grad_sync.sharded.clear()  # a new forward: the last backward's sharded gradients are spent
         ops = make_executor(p, comm, sp, coalesce=self.coalesce, hooks=hooks, training=training, step=self.count,
-                            seed=self.seed)
+                            seed=self.seed, rows=rows)
         return scalar_loss(ops, p.model.loss(wrap(ops) if wrap is not None else ops, sp, sb))
+
+    def _accumulate(self, batch) -> float:
+        """Forward and backward of a step's microbatches, each loss weighted 1/k before its
+        backward (``core.session.microbatches``); the gradients add up in place. The mean loss."""
+        parts = microbatches(self.program, batch)
+        for p in self.local.values():
+            p.grad = None
+        if self.grad_sync is not None:
+            self.grad_sync.sharded.clear()
+        total = 0.0
+        for arrays, rows in parts:
+            loss = self.loss(arrays, program=self.program.micro, rows=rows, accumulate=True)
+            self.backward(loss / len(parts) if len(parts) > 1 else loss)
+            total += float(loss.detach()) / len(parts)
+        return total
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, then wait for the bucketed gradient sums."""
@@ -365,12 +390,9 @@ class TorchSession:
     def step(self, batch) -> float:
         import torch.distributed as dist
 
-        for p in self.local.values():
-            p.grad = None
         mark_progress()
         self.log.clear()  # the collectives of this step only (a long run would grow it)
-        loss = self.loss(batch)
-        self.backward(loss)
+        loss = self._accumulate(batch)
         mesh, lay, cfg = self.program.mesh, self.program.layouts, self.program.optimizer
         with torch.no_grad():
             # The global norm counts each element once: a replicated shard is divided by its copies.
@@ -394,22 +416,19 @@ class TorchSession:
             for k, m in self.master.items():
                 if k not in self.shared:
                     self.local[k].copy_(self._move(k, m.detach(), lay[Role.OPTIMIZER][k], lay[Role.PARAMS][k]))
-        return float(loss.detach())
+        return loss
 
     def eval_loss(self, batch) -> float:
         with torch.no_grad():
             return float(self.loss(batch, training=False))
 
     def loss_and_grads(self, batch):
-        for p in self.local.values():
-            p.grad = None
-        loss = self.loss(batch)
-        self.backward(loss)
+        loss = self._accumulate(batch)
         shapes = self.program.shapes
         grads = {k: _assemble(g, layout, shapes[k]) for k, (g, layout) in self.grads().items()}
         for p in self.local.values():
             p.grad = None
-        return float(loss.detach()), grads
+        return loss, grads
 
     def params(self) -> dict[str, np.ndarray]:
         lay, shapes = self.program.layouts[Role.PARAMS], self.program.shapes
