@@ -19,6 +19,7 @@ from .executor import Fault
 from .layers import ParamDecl
 from .mesh import Mesh
 from .model import InputDecl, Model, check_model, model_init
+from .pipeline import LAYERS, Pipeline, make_pipeline, pipeline_axis
 from .optim import OptimizerConfig
 from .rules import RuleError, Rules
 from .shapes import Trace, trace
@@ -53,6 +54,7 @@ class Program:
     activations: Mapping[tuple, Layout]
     trace: Trace
     microbatches: int = 1  # a step of ``batch`` runs as this many microbatches of batch/microbatches
+    pipeline: Pipeline | None = None  # the stages over a pp axis, where the strategy maps 'layers' to one
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -88,7 +90,9 @@ class Program:
             return self
         cached = self.__dict__.get("_micro")
         if cached is None:
-            cached = self.replace(batch=self.batch // self.microbatches, microbatches=1)
+            cached = make_program(self.model, self.strategy, self.mesh, batch=self.batch // self.microbatches,
+                                  optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
+                                  _stage=self.pipeline is not None)
             object.__setattr__(self, "_micro", cached)
         return cached
 
@@ -97,6 +101,8 @@ class Program:
         keep = dict(model=self.model, strategy=self.strategy, mesh=self.mesh, batch=self.batch,
                     optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
                     microbatches=self.microbatches)
+        if self.pipeline is not None:
+            keep.update(schedule=self.pipeline.schedule.kind, virtual=self.pipeline.schedule.virtual)
         keep.update(changes)
         if set(changes) <= {"fault", "optimizer", "model_ref"}:
             return dataclasses.replace(self, **changes)
@@ -174,10 +180,13 @@ class _Problems:
 
 def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: int,
                  optimizer: OptimizerConfig = OptimizerConfig(), model_ref: str | None = None,
-                 fault: Fault | None = None, microbatches: int = 1) -> Program:
+                 fault: Fault | None = None, microbatches: int = 1, schedule: str | None = None,
+                 virtual: int | None = None, _stage: bool = False) -> Program:
     """Resolve and check every layout of ``model`` under ``strategy`` on ``mesh`` for batches of
-    ``batch`` (run as ``microbatches`` microbatches a step: gradient accumulation); raises one
-    ``ProgramError`` listing every problem."""
+    ``batch``, run as ``microbatches`` microbatches a step (gradient accumulation; with a
+    pipeline axis, the pipeline's microbatches, in the order of ``schedule``, default 1f1b, with
+    ``virtual`` stages a rank); raises one ``ProgramError`` listing every problem. ``_stage``: the
+    program of one pipeline stage's microbatch (the pipeline axis is the schedule's, not idle)."""
     model = check_model(model)
     strategy = load_strategy(strategy)
     if not isinstance(mesh, Mesh):
@@ -197,6 +206,11 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
     if missing:
         raise ProgramError(headline, [f"strategy {strategy.name!r} uses mesh axes {list(strategy.axes)} but {mesh} "
                                       f"lacks {missing}; e.g. --mesh " + ",".join(f"{a}=2" for a in strategy.axes)])
+    pp_axis = pipeline_axis(strategy)
+    if schedule is not None and pp_axis is None and not _stage:
+        raise ProgramError(headline, [f"schedule {getattr(schedule, 'value', schedule)!r} needs a pipeline: map the "
+                                      f"model's layers to a mesh axis (add the strategy 'pp', e.g. --strategy pp+dp "
+                                      f"with --mesh pp=2,dp=2)"])
     decls = tuple(model.decls())
     wrong = [d for d in decls if not isinstance(d, ParamDecl)]
     if wrong:
@@ -260,7 +274,7 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
     for role in Role:
         vocab = act_dims if role is Role.ACTIVATIONS else param_dims
         for name, axes in strategy.rules(role).rules:
-            if name not in vocab and name not in strategy.generic:
+            if name not in vocab and name not in strategy.generic and not (name == LAYERS and pp_axis):
                 roles = unmatched.setdefault((name, axes, role is Role.ACTIVATIONS), [])
                 if role.value not in roles:
                     roles.append(role.value)
@@ -277,7 +291,7 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
            {a for l in activations.values() for a in l.spec.axes}
     batch_dims = sorted({d.dims[0] for d in inputs.values() if d.dims[0] is not None})
     for a in mesh.axis_names:
-        if mesh.axis_size(a) == 1 or a in busy or problems.divisibility:
+        if mesh.axis_size(a) == 1 or a in busy or problems.divisibility or a == pp_axis:
             continue
         naming = [f"({n!r}, {_rule_text(ax)})" for n, ax in dict.fromkeys(
             (n, ax) for role in Role for n, ax in strategy.rules(role).rules if a in ax)]
@@ -289,8 +303,12 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         problems.add(f"mesh axis {a!r} (size {mesh.axis_size(a)}) shards no tensor under strategy {strategy.name!r}, "
                      f"so every rank along it would compute the same thing; {why}")
     problems.raise_if_any(headline)
+    pipeline = None
+    if pp_axis is not None and not _stage:
+        pipeline = make_pipeline(model, mesh, pp_axis, schedule=schedule or "1f1b", microbatches=microbatches,
+                                 virtual=virtual, batch=batch)
     program = Program(model, strategy, mesh, batch, optimizer, model_ref, fault, decls, inputs, layouts, activations, tr,
-                      microbatches)
+                      microbatches, pipeline)
     if microbatches > 1:
         try:
             program.micro  # noqa: B018 (checks the microbatch's shapes against the layouts)
@@ -302,7 +320,7 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
 
 def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
                  optimizer: OptimizerConfig = OptimizerConfig(), fault: Fault | None = None,
-                 microbatches: int = 1) -> Program:
+                 microbatches: int = 1, schedule: str | None = None, virtual: int | None = None) -> Program:
     """``make_program`` from references: a preset or FILE.py:NAME / module:NAME, and built-in
     strategy names or FILE.py:NAME references joined by '+' (the command line's --model and
     --strategy); the program keeps the model's reference, to rebuild it elsewhere."""
@@ -310,4 +328,5 @@ def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
 
     model, ref = load_model(model_ref)
     return make_program(model, load_strategy(strategy_ref), mesh, batch=batch, optimizer=optimizer,
-                        model_ref=ref or model_ref, fault=fault, microbatches=microbatches)
+                        model_ref=ref or model_ref, fault=fault, microbatches=microbatches, schedule=schedule,
+                        virtual=virtual)

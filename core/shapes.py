@@ -17,7 +17,7 @@ from .layouts import parse_rearrange
 from .model import DType, Model
 from .ops import ELEMENTWISE, LogicalDims
 
-__all__ = ["Abstract", "ShapeOps", "Trace", "TraceError", "trace"]
+__all__ = ["Abstract", "ShapeOps", "Trace", "TraceError", "trace", "part_params"]
 
 
 def _opaque(self, *args, **kwargs):
@@ -234,3 +234,27 @@ def trace(model: Model, batch: int) -> Trace:
         raise TypeError(f"model.loss returned {type(out).__name__}; it must return the result of an op (the loss).")
     ops.trace.loss = out.shape
     return ops.trace
+
+
+def part_params(model, batch: int) -> dict:
+    """The parameters each part of a pipelined model uses, by tracing its ``embed``, every
+    ``layer(i)`` and its ``head`` on shapes: {"embed": names, 0: names, ..., "head": names}."""
+    params = {d.name: Abstract(d.shape) for d in model.decls()}
+    inputs = {k: Abstract(d.shape, d.dtype) for k, d in model.inputs(batch).items()}
+    out: dict = {}
+
+    def run(part, fn):
+        ops = ShapeOps()
+        try:
+            value = fn(_Noting(ops))
+        except Exception as e:
+            raise TraceError(f"model.{part if isinstance(part, str) else 'layer'} failed while parlay traced it on "
+                             f"shapes: {type(e).__name__}: {e}{_where(e.__traceback__)}") from None
+        out[part] = {name for name, _, _ in ops.trace.params}
+        return value
+
+    x = run("embed", lambda o: model.embed(o, params, inputs))
+    for i in range(int(model.layers())):
+        x = run(i, lambda o, i=i, x=x: model.layer(o, params, i, x))
+    run("head", lambda o: model.head(o, params, x, inputs))
+    return out

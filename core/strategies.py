@@ -6,7 +6,7 @@ gather and reduce-scatter, Megatron's f and g, Ulysses' all-to-alls) follow from
 Short names combine with ``+`` (``"dp+tp"``, ``"fsdp+tp"``, ``"dp+tp_sp"``).
 
 Mesh axes: ``dp`` (data: dp, zero1, zero2, fsdp), ``tp`` (tensor: tp, tp_sp), ``sp`` (sequence:
-ulysses), ``row`` and ``col`` (the two axes of tp2d).
+ulysses), ``row`` and ``col`` (the two axes of tp2d), ``pp`` (pipeline: pp).
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ STRATEGIES: dict[str, Strategy] = {
     "ulysses": _builtin("ulysses", activations=Rules([("seq", "sp"), ("proj_seq", "sp"), ("heads", "sp"),
                                                       ("kv_heads", "sp"), ("heads", None), ("kv_heads", None)])),
     # 2D tensor parallel: weights over both axes, activations batch->row and embed->col.
+    # Pipeline: the model's repeated layers over pp (core.pipeline), in the schedule's stages.
+    "pp": _builtin("pp", params=_rules(layers="pp")),
     "tp2d": _builtin("tp2d", params=_rules(embed="row", heads="col", kv_heads="col", mlp="col", vocab="col"),
                      activations=_rules(batch="row", embed="col", heads="col", kv_heads="col", mlp="col",
                                         vocab="col")),

@@ -16,7 +16,10 @@ import numpy as np
 from ...core.ops import DenseOps, DropoutKey
 from ...core.optim import AdamState, adamw_update
 from ...core.pieces import owned_blocks, pieces_of, rank_file
+from ...core.executor import Sharded
+from ...core.pipeline import Mailbox, run_pipeline
 from ...core.program import Program
+from ...core.schedule import Op
 from ...core.session import check_batch, make_executor, microbatches, scalar_loss, sharded_inputs, sharded_params
 from ...core.sim import gather, scatter
 from ...core.spec import Layout
@@ -80,7 +83,10 @@ class NumpySession:
 
     def _grads(self, batch, *, training: bool = True):
         """The loss and global gradients of a step's batch: each microbatch's backward of its loss
-        weighted 1/k (``core.session.microbatches``), the gradients summed."""
+        weighted 1/k (``core.session.microbatches``), the gradients summed; with a pipeline, the
+        schedule's actions in order (``core.pipeline.run_pipeline``)."""
+        if self.program.pipeline is not None and not self.single:
+            return self._pipeline_grads(batch, training=training)
         parts = microbatches(self.program, batch)
         total, out = 0.0, {}
         for arrays, rows in parts:
@@ -88,6 +94,22 @@ class NumpySession:
             total += loss / len(parts)
             out = grads if not out else {k: out[k] + grads[k] for k in out}
         return total, out
+
+    def _pipeline_grads(self, batch, *, training: bool):
+        """Every pp rank's actions in this process, passing values through a ``Mailbox``. Each
+        stage runs on the whole simulated mesh (nothing it computes varies over pp, so its pp
+        replicas are equal): what this checks is the schedule's order, its stashes, the split of
+        B into I and W, and the loss's normalisation, against the one-device run."""
+        p = self.program
+        leaves = {k: [ad.Var(b) for b in scatter(v, p.layouts[Role.PARAMS][k])] for k, v in self._params.items()}
+        stages = _NumpyStages(self, microbatches(p, batch), leaves, training)
+        losses = run_pipeline(p.pipeline, {r: stages for r in range(p.pipeline.ranks)}, Mailbox())
+        out = {}
+        for k, vs in leaves.items():
+            blocks = [np.zeros_like(ad.value(v)) if g is None else g for v, g in zip(vs, stages.acc.get(k, [None] * len(vs)))]
+            out[k] = _assemble(blocks, p.layouts[Role.PARAMS][k], k)
+        last = p.pipeline.schedule.rank_of(p.pipeline.stages - 1)
+        return float(np.mean(losses[last], dtype=np.float64)), out
 
     def _grads_of(self, batch, *, training: bool, rows, weight: float):
         outs, leaves, _ = self._forward(batch, training=training, program=self.program.micro, rows=rows)
@@ -169,6 +191,70 @@ class NumpySession:
     def emit(self, event) -> None:
         if self._emit is not None:
             self._emit(event)
+
+
+class _NumpyStages:
+    """``core.pipeline.StageRunner`` on the numpy simulator: a stage's forward on every simulated
+    rank with fresh leaves for its input, its backward by ``autodiff`` seeded with the gradient
+    that came back (or 1/m at the loss), the parameters' gradients summed over microbatches."""
+
+    def __init__(self, session: NumpySession, parts, leaves, training: bool):
+        self.s, self.parts, self.leaves, self.training = session, parts, leaves, training
+        self.p = session.program.micro
+        self.pipe = session.program.pipeline
+        self.acc: dict[str, list] = {}
+
+    def forward(self, stage: int, mb: int, x):
+        p, model = self.p, self.p.model
+        arrays, rows = self.parts[mb]
+        params = sharded_params(p, {k: PerRank(v) for k, v in self.leaves.items()})
+        ops = make_executor(p, NumpyComm(p.mesh), params, training=self.training, step=self.s.opt.count,
+                            seed=self.s.seed, rows=rows)
+        place = lambda a, layout: PerRank(scatter(a, layout))
+        x_leaves = None
+        if stage == 0:
+            x = model.embed(ops, params, sharded_inputs(p, arrays, place))
+        else:
+            x_leaves = [ad.Var(v) for v in x.local.values]
+            x = Sharded(PerRank(x_leaves), x.layout, x.shape, x.varying)
+        for i in self.pipe.layers_of_stage[stage]:
+            x = model.layer(ops, params, i, x)
+        names = self.pipe.params_of_stage[stage]
+        if stage == self.pipe.stages - 1:
+            loss = scalar_loss(ops, model.head(ops, params, x, sharded_inputs(p, arrays, place)))
+            return float(ad.value(loss.values[0])), (loss.values, x_leaves, names, None)
+        shape, dims = model.residual(p.batch)
+        y = ops.constrain(x, dims)
+        sent = Sharded(PerRank([ad.value(v) for v in y.local.values]), y.layout, y.shape, y.varying)
+        return sent, (y.local.values, x_leaves, names, y)
+
+    def backward(self, ctx, dy, part):
+        outs, x_leaves, names, y = ctx
+        m = len(self.parts)
+        seeds = [np.full_like(ad.value(o), 1.0 / m) for o in outs] if dy is None else list(dy.local.values)
+        wrt = list(x_leaves) if part is not Op.W and x_leaves is not None else []
+        n_x = len(wrt)
+        if part is not Op.I:
+            order = sorted(names)
+            for k in order:
+                wrt += self.leaves[k]
+        grads = ad.grad(outs, wrt, seeds)
+        if part is not Op.I:
+            i = n_x
+            for k in order:
+                n = len(self.leaves[k])
+                acc = self.acc.setdefault(k, [None] * n)
+                for r, g in enumerate(grads[i:i + n]):
+                    if g is not None:
+                        acc[r] = g if acc[r] is None else acc[r] + g
+                i += n
+        if not n_x:
+            return None
+        x_like = y if y is not None else None
+        dx = [np.zeros_like(ad.value(v)) if g is None else g for v, g in zip(x_leaves, grads[:n_x])]
+        shape, dims = self.p.model.residual(self.p.batch)
+        layout = self.p.activation(dims, shape)
+        return Sharded(PerRank(dx), layout, tuple(shape), frozenset(layout.spec.axes))
 
 
 def _assemble(blocks, layout: Layout, name: str) -> np.ndarray:

@@ -210,16 +210,41 @@ class GPT:
 
     def logits(self, ops: Ops, params: Mapping[str, Any], tokens):
         """(B, S, V) next-token logits of (B, S) int tokens, S = config.seq."""
+        x = self._embed(ops, params, tokens)
+        for i in range(self.config.layers):
+            x = self.layer(ops, params, i, x)
+        return self._logits(ops, params, x)
+
+    # -- pipeline stages (core.pipeline.PipelineModel): embed, the repeated layers, the head -----------
+    def layers(self) -> int:
+        return self.config.layers
+
+    def residual(self, batch: int) -> tuple[tuple[int, ...], tuple]:
+        """The value that passes between pipeline stages: the residual stream (B, S, E)."""
+        return (batch, self.config.seq, self.config.embed), RESIDUAL
+
+    def embed(self, ops: Ops, params: Mapping[str, Any], batch: Mapping[str, Any]):
+        return self._embed(ops, params, batch["tokens"])
+
+    def layer(self, ops: Ops, params: Mapping[str, Any], i: int, x):
+        c = self.config
+        cos = sin = None
+        if c.positions is not Positions.LEARNED:
+            cos, sin = (ops.constant(t) for t in rotary_tables(c.seq, c.head_dim, c.rope_base))
+        return self.blocks[i](ops, params, f"blocks.{i}", x, cos, sin)
+
+    def head(self, ops: Ops, params: Mapping[str, Any], x, batch: Mapping[str, Any]):
+        return ops.cross_entropy(self._logits(ops, params, x), batch["targets"])
+
+    def _embed(self, ops: Ops, params: Mapping[str, Any], tokens):
         c = self.config
         x = Embedding(c.vocab, c.embed)(ops, params, "embed", tokens)  # (B, S, E), partial over vocab's axes
-        cos = sin = None
         if c.positions is Positions.LEARNED:
             x = ops.add_bias(x, ops.param("pos_embed.table", params["pos_embed.table"], ("seq", "embed")))
-        else:
-            cos, sin = (ops.constant(t) for t in rotary_tables(c.seq, c.head_dim, c.rope_base))
-        x = ops.constrain(x, RESIDUAL)
-        for i, block in enumerate(self.blocks):
-            x = block(ops, params, f"blocks.{i}", x, cos, sin)
+        return ops.constrain(x, RESIDUAL)
+
+    def _logits(self, ops: Ops, params: Mapping[str, Any], x):
+        c = self.config
         x = ops.constrain(self.final_norm(ops, params, "final_norm", x), PROJ_IN)
         if c.tie_embeddings:  # the table's second use: its gradient is the sum of both
             table = ops.param("embed.table", params["embed.table"], ("vocab", "embed"))
