@@ -155,6 +155,21 @@ class Schedule:
             out.append(tuple(seq))
         return tuple(out)
 
+    def fifo_ordered(self) -> bool:
+        """Whether between every pair of ranks the values are received in the order they are sent
+        (what a transport that matches by order, NCCL's, needs; gloo matches by tag)."""
+        sent: dict = {}
+        got: dict = {}
+        for r, acts in enumerate(self.with_comms()):
+            for a in acts:
+                if a.op in (Op.SEND_F, Op.SEND_B):
+                    peer = self.rank_of(a.stage + (1 if a.op is Op.SEND_F else -1))
+                    sent.setdefault((r, peer), []).append(_peer_key(a))
+                elif a.op in (Op.RECV_F, Op.RECV_B):
+                    peer = self.rank_of(a.stage + (-1 if a.op is Op.RECV_F else 1))
+                    got.setdefault((peer, r), []).append((a.stage, a.op, a.microbatch))
+        return all(sent.get(pair, []) == got.get(pair, []) for pair in set(sent) | set(got))
+
     def table(self, *, comms: bool = False) -> str:
         """One line per rank: its actions in order."""
         rows = self.with_comms() if comms else self.actions

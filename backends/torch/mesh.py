@@ -17,9 +17,12 @@ class TorchMesh:
     """``mesh`` lowered for this rank. ``group(axes, plan_mesh)`` returns this rank's process
     group over ``axes`` (axes of ``plan_mesh``, a refinement of ``mesh`` with the same ranks)
     and the members in the plan's order (first axis major); groups are made on first use, by
-    every rank in the same order (SPMD), and cached."""
+    every rank in the same order (SPMD), and cached. ``local_groups``: each group is made by its
+    members alone (``use_local_synchronization``), for runs whose ranks do not all run the same
+    code: under a pipeline, the pp ranks run different stages, and so ask for groups in another
+    order (all of a group's members share a pp rank, so they agree)."""
 
-    def __init__(self, mesh: Mesh, device_type: str = "cpu"):
+    def __init__(self, mesh: Mesh, device_type: str = "cpu", *, local_groups: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; launch with parlay.backends.torch.spawn or torchrun.")
         mesh.check_world_size(dist.get_world_size())
@@ -28,6 +31,7 @@ class TorchMesh:
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names,
                                                         backend_override=_with_timeout(mesh.axis_names, self.timeout))
         self._groups: dict = {}
+        self.local_groups = local_groups
 
     def group(self, axes: tuple[str, ...], plan_mesh: Mesh | None = None):
         mark_progress()  # every collective asks for its group first
@@ -38,6 +42,10 @@ class TorchMesh:
             for members in plan_mesh.groups(axes):
                 if len(axes) == 1 and axes[0] in self.mesh.axis_names:
                     pg = self.device_mesh.get_group(axes[0]) if self.rank in members else None
+                elif self.local_groups:
+                    if self.rank not in members:
+                        continue
+                    pg = dist.new_group(sorted(members), timeout=self.timeout, use_local_synchronization=True)
                 else:
                     # every rank takes part in every new_group
                     pg = dist.new_group(sorted(members), timeout=self.timeout)

@@ -24,7 +24,10 @@ from ...core.log import CollectiveLog
 from ...core.ops import DenseOps, DropoutKey
 from ...core.optim import OptimizerConfig
 from ...core.pieces import owned_blocks, pieces_of, rank_file
+from ...core.executor import Sharded
+from ...core.pipeline import run_pipeline
 from ...core.program import Program
+from ...core.schedule import Op
 from ...core.session import check_batch, make_executor, microbatches, scalar_loss, sharded_inputs, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
@@ -245,6 +248,116 @@ class TorchSingleSession:
 
 # -- one rank of a mesh -------------------------------------------------------------------------------------
 
+class _TorchStages:
+    """``core.pipeline.StageRunner`` on this rank: a stage's forward through the core executor on
+    the rank's parameter blocks (the collectives stay within the rank's pp slice: no layout uses
+    the pp axis), its backward by autograd seeded with the gradient that came back (or 1/m at
+    the loss); I is the gradient to the stage's input alone (the graph kept for W), W to its
+    parameters alone (the bucketed gradient sums then finish)."""
+
+    def __init__(self, session: "TorchSession", parts):
+        self.s, self.parts = session, parts
+        self.p, self.pipe = session.program.micro, session.program.pipeline
+        shape, dims = self.p.model.residual(self.p.batch)
+        self.x_shape, self.x_layout = tuple(shape), self.p.activation(dims, shape)
+        self.x_dims = dims
+
+    def forward(self, stage: int, mb: int, x):
+        s, p, model = self.s, self.p, self.p.model
+        arrays, rows = self.parts[mb]
+        names = self.pipe.params_of_stage[stage]
+        lay = p.layouts[Role.PARAMS]
+        # In the declared order, the same on every rank (a set's order is not: FSDP's fused gather
+        # lays the parameters out in this order)
+        sp = {k: Sharded(s.local[k], lay[k], d, frozenset(lay[k].spec.axes), k) for k, d in p.shapes.items()
+              if k in names}
+        comm = TorchComm(s.tm, s.local_ops, log=s.log, grad_sync=s.grad_sync)
+        ops = make_executor(p, comm, sp, coalesce=s.coalesce, training=True, step=s.count, seed=s.seed, rows=rows)
+        place = lambda a, layout: torch.as_tensor(np.ascontiguousarray(a[layout.shard_slices(a.shape)[s.rank]]),
+                                                  device=s.device)
+        leaf = None
+        if stage == 0:
+            h = model.embed(ops, sp, sharded_inputs(p, arrays, place))
+        else:
+            leaf = x.detach().requires_grad_(True)
+            h = Sharded(leaf, self.x_layout, self.x_shape, frozenset(self.x_layout.spec.axes))
+        for i in self.pipe.layers_of_stage[stage]:
+            h = model.layer(ops, sp, i, h)
+        if stage == self.pipe.stages - 1:
+            loss = scalar_loss(ops, model.head(ops, sp, h, sharded_inputs(p, arrays, place)))
+            return float(loss.detach()), (loss, leaf, names)
+        y = ops.constrain(h, self.x_dims).local
+        return y.detach().contiguous(), (y, leaf, names)
+
+    def backward(self, ctx, dy, part):
+        out, leaf, names = ctx
+        s = self.s
+        seed = torch.full_like(out, 1.0 / len(self.parts)) if dy is None else dy
+        wrt = [leaf] if leaf is not None and part is not Op.W else []
+        if part is not Op.I:
+            wrt += [s.local[k] for k in sorted(names)]
+        if wrt:
+            mark_progress()
+            torch.autograd.backward(out, seed, inputs=wrt, retain_graph=part is Op.I)
+            if s.grad_sync is not None and part is not Op.I:
+                s.grad_sync.finish()
+        if leaf is None or part is Op.W:
+            return None
+        dx, leaf.grad = leaf.grad, None
+        return dx.contiguous()
+
+
+class _P2P:
+    """``core.pipeline.Transport`` over torch.distributed: a batch of point-to-point ops with the
+    rank of the same coordinates on the neighbouring pp rank; sends are waited for at the end."""
+
+    def __init__(self, session: "TorchSession"):
+        self.s = session
+        self.axis = session.program.pipeline.axis
+        micro = session.program.micro
+        shape, dims = micro.model.residual(micro.batch)
+        self.local_shape = micro.activation(dims, shape).local_shape(tuple(shape))
+        self.pending: list = []
+        sched = session.program.pipeline.schedule
+        if session.device.type == "cuda" and not sched.fifo_ordered():
+            raise ValueError(f"the {sched.name} schedule (p={sched.ranks}, m={sched.microbatches}) sends two values "
+                             f"between a pair of ranks in another order than they are received; NCCL matches "
+                             f"point-to-point ops by order, not tag. Choose another microbatch count or schedule.")
+
+    def _peer(self, pp_rank: int) -> int:
+        mesh = self.s.program.mesh
+        return mesh.rank({**mesh.coords(self.s.rank), self.axis: pp_rank})
+
+    def exchange(self, rank, sends, recvs) -> dict:
+        import torch.distributed as dist
+
+        ops, bufs = [], {}
+        for key, peer, value in sends:
+            ops.append(dist.P2POp(dist.isend, value, self._peer(peer), tag=self._tag(key)))
+        for key, peer in recvs:
+            bufs[key] = torch.empty(self.local_shape, device=self.s.device)
+            ops.append(dist.P2POp(dist.irecv, bufs[key], self._peer(peer), tag=self._tag(key)))
+        if not ops:
+            return {}
+        mark_progress()
+        works = dist.batch_isend_irecv(ops)
+        for work in works[len(sends):]:
+            work.wait()
+        self.pending += [(w, v) for w, (_, _, v) in zip(works[:len(sends)], sends)]
+        return bufs
+
+    def _tag(self, key) -> int:
+        # Each value its own tag: gloo matches a receive to the send with its tag, whatever order
+        # the two ranks post them in (NCCL ignores tags: there the order must agree, see __init__).
+        kind, stage, mb = key
+        return (stage * self.s.program.pipeline.microbatches + mb) * 2 + (kind == "B")
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
 def _assemble(local: torch.Tensor, layout: Layout, shape) -> np.ndarray:
     """The global array from every rank's block of ``layout`` (a collective: every rank calls it).
     Ranks holding the same block must hold the same bits (``core.sim.gather``): a gradient whose
@@ -303,18 +416,22 @@ class TorchSession:
             nccl = dist.is_initialized() and dist.get_backend() == "nccl"
             device = f"cuda:{torch.cuda.current_device()}" if nccl else "cpu"
         self.device = torch.device(device)
-        self.tm = TorchMesh(mesh, self.device.type)
+        self.tm = TorchMesh(mesh, self.device.type, local_groups=program.pipeline is not None)
         self.rank = self.tm.rank
         self.lead = self.rank == 0
         self.log = CollectiveLog()
         self.local_ops = TorchLocal(kernels=kernels, device=self.device)
         self.grad_sync = (GradSync(self.tm, bucket_bytes=bucket_bytes, log=self.log, grad_layouts=lay[Role.GRADS])
                           if bucket_bytes else None)
+        pipe = program.pipeline
+        # Under a pipeline this rank holds (and updates) only the parameters its stages use.
+        self.pp_rank = mesh.coord(self.rank, pipe.axis) if pipe is not None else None
+        self.owned = (pipe.params_of_rank(self.pp_rank) if pipe is not None else frozenset(program.shapes))
         self.module = ShardedModule(self, self._shard(params, Role.PARAMS))
         self.local = dict(self.module.named_parameters())
         # Where the optimizer layout is the parameter's own, AdamW steps the parameter in place;
         # elsewhere (ZeRO) it steps a shard of it.
-        self.shared = {k for k in program.shapes if lay[Role.OPTIMIZER][k] == lay[Role.PARAMS][k]}
+        self.shared = {k for k in self.owned if lay[Role.OPTIMIZER][k] == lay[Role.PARAMS][k]}
         self.master = {k: self.local[k] if k in self.shared else t.requires_grad_(True)
                        for k, t in self._shard(params, Role.OPTIMIZER).items()}
         self.opt = _adamw(list(self.master.values()), program.optimizer)
@@ -324,7 +441,8 @@ class TorchSession:
     def _shard(self, params, role: Role) -> dict[str, torch.Tensor]:
         lay = self.program.layouts[role]
         return {k: torch.tensor(np.ascontiguousarray(np.asarray(params[k], np.float32)[
-            lay[k].shard_slices(np.shape(params[k]))[self.rank]]), device=self.device) for k in self.program.shapes}
+            lay[k].shard_slices(np.shape(params[k]))[self.rank]]), device=self.device) for k in self.program.shapes
+            if k in self.owned}
 
     # -- forward and backward -----------------------------------------------------------------------------
     def loss(self, batch, *, training: bool = True, wrap=None, program: Program | None = None, rows=(1, 0),
@@ -347,18 +465,34 @@ class TorchSession:
 
     def _accumulate(self, batch) -> float:
         """Forward and backward of a step's microbatches, each loss weighted 1/k before its
-        backward (``core.session.microbatches``); the gradients add up in place. The mean loss."""
+        backward (``core.session.microbatches``); the gradients add up in place. The mean loss.
+        Under a pipeline: this rank's actions of the schedule (``core.pipeline.run_pipeline``)."""
         parts = microbatches(self.program, batch)
         for p in self.local.values():
             p.grad = None
         if self.grad_sync is not None:
             self.grad_sync.sharded.clear()
+        if self.program.pipeline is not None:
+            return self._run_pipeline(parts)
         total = 0.0
         for arrays, rows in parts:
             loss = self.loss(arrays, program=self.program.micro, rows=rows, accumulate=True)
             self.backward(loss / len(parts) if len(parts) > 1 else loss)
             total += float(loss.detach()) / len(parts)
         return total
+
+    def _run_pipeline(self, parts) -> float:
+        import torch.distributed as dist
+
+        pipe = self.program.pipeline
+        transport = _P2P(self)
+        losses = run_pipeline(pipe, {self.pp_rank: _TorchStages(self, parts)}, transport)[self.pp_rank]
+        transport.finish()
+        # The last stage's rank has the losses; every rank returns their mean.
+        mean = torch.tensor(sum(losses) / len(parts) if losses else 0.0, dtype=torch.float64, device=self.device)
+        mark_progress()
+        dist.all_reduce(mean, group=self.tm.group((pipe.axis,))[0])
+        return float(mean)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, then wait for the bucketed gradient sums."""
@@ -394,6 +528,7 @@ class TorchSession:
         self.log.clear()  # the collectives of this step only (a long run would grow it)
         loss = self._accumulate(batch)
         mesh, lay, cfg = self.program.mesh, self.program.layouts, self.program.optimizer
+        pipe = self.program.pipeline
         with torch.no_grad():
             # The global norm counts each element once: a replicated shard is divided by its copies.
             sq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -404,7 +539,8 @@ class TorchSession:
                     # the optimizer's own shard (ZeRO), or a gradient that went to its own layout
                     m.grad = self._move(k, g, layout, lay[Role.OPTIMIZER][k]).clone()
                 opt_layout = lay[Role.OPTIMIZER][k]
-                copies = mesh.size // int(np.prod([opt_layout.shard_count(d) for d in range(m.ndim)]))
+                holders = mesh.size // (mesh.axis_size(pipe.axis) if pipe is not None else 1)  # a pp rank's share
+                copies = holders // int(np.prod([opt_layout.shard_count(d) for d in range(m.ndim)]))
                 sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
             mark_progress()
             dist.all_reduce(sq)
@@ -424,15 +560,40 @@ class TorchSession:
 
     def loss_and_grads(self, batch):
         loss = self._accumulate(batch)
-        shapes = self.program.shapes
-        grads = {k: _assemble(g, layout, shapes[k]) for k, (g, layout) in self.grads().items()}
+        shapes, lay, mine = self.program.shapes, self.program.layouts, self.grads()
+        layout_of = lambda k: mine[k][1] if k in mine else (lay[Role.GRADS][k] if k in self._sharded_grads()
+                                                             else lay[Role.PARAMS][k])
+        grads = {k: self._gather(k, mine[k][0] if k in mine else None, layout_of(k)) for k in shapes}
         for p in self.local.values():
             p.grad = None
         return loss, grads
 
     def params(self) -> dict[str, np.ndarray]:
-        lay, shapes = self.program.layouts[Role.PARAMS], self.program.shapes
-        return {k: _assemble(v.detach(), lay[k], shapes[k]) for k, v in self.local.items()}
+        lay = self.program.layouts[Role.PARAMS]
+        return {k: self._gather(k, self.local[k].detach() if k in self.local else None, lay[k])
+                for k in self.program.shapes}
+
+    def _sharded_grads(self) -> set:
+        """The parameters whose gradients go to their own layout (ZeRO-2), on every rank alike."""
+        lay = self.program.layouts
+        return {k for k in self.program.shapes if self.grad_sync is not None and lay[Role.GRADS][k] != lay[Role.PARAMS][k]}
+
+    def _gather(self, name: str, local: torch.Tensor | None, layout: Layout) -> np.ndarray:
+        """The global array of a tensor every rank holds a block of, or (under a pipeline) the
+        ranks of one pp rank do: the others' blocks are taken from the holder with their other
+        coordinates."""
+        shape = self.program.shapes[name]
+        pipe = self.program.pipeline
+        if pipe is None:
+            return _assemble(local, layout, shape)
+        from ...core.sim import gather
+
+        if local is None:
+            local = torch.zeros(layout.local_shape(shape), device=self.device)
+        blocks = _blocks(local, self.program.mesh.size)
+        mesh, owner = self.program.mesh, pipe.rank_of_param(name)
+        blocks = [blocks[mesh.rank({**mesh.coords(r), pipe.axis: owner})] for r in range(mesh.size)]
+        return gather(blocks, layout)
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -458,6 +619,10 @@ class TorchSession:
     def checkpoint_tensors(self):
         """Every rank computes the same ``tensors`` (from the layouts alone); ``blocks`` holds this
         rank's file only."""
+        if self.program.pipeline is not None:
+            raise ValueError("saving a checkpoint from a pipelined run is not built yet (each pp rank holds only its "
+                             "stages' parameters, and the checkpoint's files follow the layouts); train without "
+                             "--checkpoint-dir under pp, or save from a run without pp. Resuming into pp works.")
         tensors, mine = [], {}
         for name, value, layout in self._named():
             shape = self.program.shapes[name.rsplit("/", 1)[1]]
