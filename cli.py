@@ -21,7 +21,8 @@ from .checkpoint import Checkpoint, CheckpointError, latest
 from .core import Layout, Mesh, P, Plan, plan_redistribute
 from .core.models.gpt import PRESETS
 from .core.rules import RuleError
-from .core.schedule import ScheduleError
+from .core.pipeline import PipelineError
+from .core.schedule import SCHEDULES, ScheduleError
 
 __all__ = ["main"]
 
@@ -242,7 +243,8 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
     for name in backends:
         get_backend(name).prepare(mesh)
     program = program_from(args.model, args.strategy, mesh, batch=args.batch,
-                           optimizer=extra.get("optimizer", OptimizerConfig()), microbatches=args.microbatches)
+                           optimizer=extra.get("optimizer", OptimizerConfig()), microbatches=args.microbatches,
+                           schedule=args.schedule, virtual=args.virtual_stages)
     check_memory(program, batches=1 + getattr(args, "eval_batches", 0),
                  processes=mesh.size if "torch" in backends else 1)
     return program
@@ -303,7 +305,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from .compare import BACKENDS, Tolerance, drop_all_reduce, plot_compare, run_compare
 
     mesh = parse_mesh(args.mesh)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    chosen = args.backends is not None
+    backends = [b.strip() for b in (args.backends or ",".join(BACKENDS)).split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
     if len(set(backends)) < len(backends):
         raise UsageError(f"--backends {args.backends!r} names a backend twice")
@@ -316,6 +319,10 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot", (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff"))
     program = _program(args, mesh, backends)
+    if program.pipeline is not None and not chosen:
+        backends = [b for b in backends if not b.startswith("jax")]
+        console.print(f"{program.strategy.name}: pipelines run on torch and numpy (JAX's lowering is not built yet); "
+                      f"comparing those.")
     tol = Tolerance()
     if args.drop_all_reduce:
         layers = sorted({n.rsplit(".", 1)[0] for n in program.shapes})
@@ -334,7 +341,9 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
                          f"pending sum (e.g. an MLP or attention output under tp)")
     data = getattr(program.model, "dataset", None)
     source = "stdlib bytes" if args.model in PRESETS else ("its dataset" if callable(data) else "random inputs")
-    table = Table(title=f"{args.model}, {program.strategy.name} on {mesh}, batch {args.batch}, {source}; loss per step",
+    piped = f" ({program.pipeline.schedule.name}, {program.microbatches} microbatches)" if program.pipeline else ""
+    table = Table(title=f"{args.model}, {program.strategy.name}{piped} on {mesh}, batch {args.batch}, {source}; loss "
+                        f"per step",
                   title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("reference (1 device)", justify="right")
@@ -407,7 +416,8 @@ def _train_spec(args, mesh: Mesh, backend: str):
     check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
     return TrainSpec(backend=backend, strategy=args.strategy, mesh=tuple(mesh.axes), model=args.model,
-                     steps=args.steps, batch=args.batch, microbatches=args.microbatches, seed=args.seed,
+                     steps=args.steps, batch=args.batch, microbatches=args.microbatches, schedule=args.schedule,
+                     virtual_stages=args.virtual_stages, seed=args.seed,
                      optimizer=optimizer,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -547,7 +557,12 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
     p.add_argument("--batch", type=int, default=batch, help="examples per step (global: split by the strategy)")
     p.add_argument("--microbatches", type=int, default=1, metavar="K",
                    help="run each step's batch as K microbatches of batch/K, their gradients summed before the one "
-                        "update (gradient accumulation: the same step as one batch, a K-th of the activations)")
+                        "update (gradient accumulation: the same step as one batch, a K-th of the activations); "
+                        "with the pp strategy, the pipeline's microbatches")
+    p.add_argument("--schedule", default=None, choices=SCHEDULES,
+                   help="the pipeline schedule, with the pp strategy (default 1f1b); see parlay schedule")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="pipeline stages a pp rank runs (interleaved: default 2; zbv: 2)")
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "
@@ -599,7 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "tolerance, and name where it parts.",
     )
     _add_run_flags(c, steps=5, batch=8, mesh="dp=2,tp=2", strategy="dp+tp")
-    c.add_argument("--backends", default="torch,jax,jax-gspmd,numpy", help="which to run against the reference")
+    c.add_argument("--backends", default=None,
+                   help="which to run against the reference (default: torch,jax,jax-gspmd,numpy; under a pipeline "
+                        "torch,numpy)")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
     c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
     c.add_argument("--drop-all-reduce", default=None, metavar="LAYER",
@@ -698,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(str(e) if str(e).startswith("parlay") else f"parlay: {e}", file=sys.stderr)
         return 2
-    except (RuleError, ScheduleError) as e:  # every bullet: each is a separate problem to fix
+    except (RuleError, ScheduleError, PipelineError) as e:  # every bullet: each is a separate problem to fix
         print(f"parlay: {e}", file=sys.stderr)
         return 2
     except (ValueError, TypeError) as e:

@@ -7,10 +7,11 @@ so the masks are the whole batch's. Checked on every backend (numpy, JAX explici
 torch on gloo ranks, the single-device references) under dp, zero2 and fsdp, k in {1, 2, 4}.
 
 Tolerances: the loss and gradients differ from k=1 by fp32 summation order only (measured
-<= 6e-7 of the largest gradient): 2e-6 relative. Parameters after two AdamW steps: 1e-5
-absolute. AdamW's first updates are about lr * g/|g| whatever g's size, so an element whose
-gradient is within rounding of zero can move by a few percent of lr (3e-5 here) in either
-run; measured <= 8.3e-6.
+<= 6e-7 of the largest gradient): 2e-6 relative. Parameters after two AdamW steps, per tensor
+as ``parlay compare`` does: the L2 norm of the difference within 1e-3 of the distance moved
+(not per element: AdamW's first updates are about lr * g/(|g| + eps), so an element whose
+gradient is near eps moves by a different part of lr in either run; tests/test_pipeline.py
+names one).
 """
 
 import dataclasses
@@ -55,8 +56,10 @@ def _assert_same_step(got, want):
     for name in grads1:
         np.testing.assert_allclose(grads[name], grads1[name], rtol=0, atol=2e-6 * scale, err_msg=name)
     np.testing.assert_allclose(losses, losses1, rtol=2e-6)
+    start = MODEL.init(0)
     for name in params1:
-        np.testing.assert_allclose(params[name], params1[name], rtol=0, atol=1e-5, err_msg=name)
+        moved = np.linalg.norm(params1[name] - start[name])
+        assert np.linalg.norm(params[name] - params1[name]) <= 1e-3 * moved, name
 
 
 REFERENCE = {}

@@ -75,6 +75,11 @@ class JaxBackend:
     def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
             timeout_s: float = 600.0):
         self.prepare(program.mesh)
+        if program.pipeline is not None and self.mode is not Mode.SINGLE:
+            raise ValueError(f"strategy {program.strategy.name!r} pipelines the model over "
+                             f"{program.pipeline.axis!r}; pipelines run on the torch and numpy backends, JAX's "
+                             f"lowering (a tick loop in shard_map) is not built yet: use --backend torch or numpy "
+                             f"(parlay compare: --backends torch,numpy).")
         session = JaxSession(program, self.mode, program.init(seed) if params is None else params, seed=seed,
                              emit=on_event)
         return fn(session, *args)

@@ -255,8 +255,8 @@ class _TorchStages:
     the loss); I is the gradient to the stage's input alone (the graph kept for W), W to its
     parameters alone (the bucketed gradient sums then finish)."""
 
-    def __init__(self, session: "TorchSession", parts):
-        self.s, self.parts = session, parts
+    def __init__(self, session: "TorchSession", parts, *, training: bool = True):
+        self.s, self.parts, self.training = session, parts, training
         self.p, self.pipe = session.program.micro, session.program.pipeline
         shape, dims = self.p.model.residual(self.p.batch)
         self.x_shape, self.x_layout = tuple(shape), self.p.activation(dims, shape)
@@ -272,7 +272,8 @@ class _TorchStages:
         sp = {k: Sharded(s.local[k], lay[k], d, frozenset(lay[k].spec.axes), k) for k, d in p.shapes.items()
               if k in names}
         comm = TorchComm(s.tm, s.local_ops, log=s.log, grad_sync=s.grad_sync)
-        ops = make_executor(p, comm, sp, coalesce=s.coalesce, training=True, step=s.count, seed=s.seed, rows=rows)
+        ops = make_executor(p, comm, sp, coalesce=s.coalesce, training=self.training, step=s.count, seed=s.seed,
+                            rows=rows)
         place = lambda a, layout: torch.as_tensor(np.ascontiguousarray(a[layout.shard_slices(a.shape)[s.rank]]),
                                                   device=s.device)
         leaf = None
@@ -335,7 +336,8 @@ class _P2P:
         for key, peer, value in sends:
             ops.append(dist.P2POp(dist.isend, value, self._peer(peer), tag=self._tag(key)))
         for key, peer in recvs:
-            bufs[key] = torch.empty(self.local_shape, device=self.s.device)
+            # NaN until the value arrives: a value read before then poisons the loss, never hides
+            bufs[key] = torch.full(self.local_shape, float("nan"), device=self.s.device)
             ops.append(dist.P2POp(dist.irecv, bufs[key], self._peer(peer), tag=self._tag(key)))
         if not ops:
             return {}
@@ -555,8 +557,39 @@ class TorchSession:
         return loss
 
     def eval_loss(self, batch) -> float:
+        if self.program.pipeline is not None:
+            return self._pipeline_eval(batch)
         with torch.no_grad():
             return float(self.loss(batch, training=False))
+
+    def _pipeline_eval(self, batch) -> float:
+        """The loss alone under a pipeline: every microbatch through the stages in order, each
+        stage on its rank, values passed on as they are made (no backward, so no schedule)."""
+        import torch.distributed as dist
+
+        pipe = self.program.pipeline
+        parts = microbatches(self.program, batch)
+        stages, transport, total = _TorchStages(self, parts, training=False), _P2P(self), 0.0
+        sched = pipe.schedule
+        with torch.no_grad():
+            for j in range(len(parts)):
+                x = None
+                for s in range(pipe.stages):
+                    if sched.rank_of(s) != self.pp_rank:
+                        continue
+                    if s > 0 and sched.rank_of(s - 1) != self.pp_rank:
+                        x = transport.exchange(self.pp_rank, [], [(("F", s, j), sched.rank_of(s - 1))])[("F", s, j)]
+                    y, _ = stages.forward(s, j, x)
+                    if s == pipe.stages - 1:
+                        total += y / len(parts)
+                    elif sched.rank_of(s + 1) != self.pp_rank:
+                        transport.exchange(self.pp_rank, [(("F", s + 1, j), sched.rank_of(s + 1), y)], [])
+                    x = y
+        transport.finish()
+        mean = torch.tensor(total, dtype=torch.float64, device=self.device)
+        mark_progress()
+        dist.all_reduce(mean, group=self.tm.group((pipe.axis,))[0])
+        return float(mean)
 
     def loss_and_grads(self, batch):
         loss = self._accumulate(batch)
@@ -657,6 +690,9 @@ class TorchSession:
 
     # -- the bisect's recording: every op and plan step gathered to every rank -------------------------------
     def trace(self, batch) -> list:
+        if self.program.pipeline is not None:
+            raise ValueError("the bisect records one forward on every rank; under a pipeline each rank runs its own "
+                             "stages, which it does not follow yet. Bisect the same strategy without pp.")
         world = self.program.mesh.size
         holder: dict = {}
 

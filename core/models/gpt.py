@@ -95,6 +95,8 @@ PRESETS: dict[str, GPTConfig] = {
     # For tests: every dim divisible by 8, so every strategy fits meshes of up to 8 devices.
     "tiny": GPTConfig(vocab=256, seq=16, embed=64, heads=8, kv_heads=8, layers=2, mlp=128),
     "tiny-gqa": GPTConfig(vocab=256, seq=16, embed=64, heads=8, kv_heads=4, layers=2, mlp=128),
+    # tiny with 8 layers: room for pipeline stages (pp=4 with 2 virtual stages a rank, or pp=2 with 4)
+    "tiny-deep": GPTConfig(vocab=256, seq=16, embed=64, heads=8, kv_heads=8, layers=8, mlp=128),
     "tiny-gpt2": GPTConfig(vocab=256, seq=16, embed=64, heads=8, kv_heads=8, layers=2, mlp=256,
                            norm=Norm.LAYER, activation=Activation.GELU),
     # GPT-2 as Hugging Face builds it: learned positions, biases, the LM head tied to the embedding.

@@ -1,0 +1,184 @@
+"""Pipeline parallelism: every schedule, p in {2, 4}, m in {p, 2p}, alone and with dp/tp/fsdp/zero2
+beside it, on the numpy simulator and on torch gloo ranks, against the one-device run.
+
+The GPT (tiny sizes, dropout 0.1 on: the masks are keyed by the batch's rows, so every
+microbatch draws the whole batch's bits) with 4 layers for p=2 and 8 for p=4 (interleaved and
+ZB-V run 2 stages a rank). Checked: the loss and every gradient of one step (1e-5 relative; fp32
+sums in another order differ by ~5e-7 of the largest gradient), and the parameters after three
+AdamW steps, per tensor as ``parlay compare`` does: the L2 norm of the difference within 2e-3 of
+the L2 norm of the distance moved. Not per element: AdamW's first updates are about
+lr * g/(|g| + eps), so an element whose gradient is near eps = 1e-8 moves by a different part of
+lr in either run (seen: blocks.0.attn.wv[21, 0, 3], gradient 1.8e-9, the smallest of 4096,
+3.1e-5 apart after 3 steps at lr 1e-3). Torch's received buffers start as NaN: a value read
+before it arrived would poison the loss (the MPMD form of praxis' NaN-filled bubbles).
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from parlay.backends.torch.launch import spawn
+from parlay.core import Mesh, ProgramError, get_backend, make_program
+from parlay.core.models.gpt import GPT, PRESETS
+from parlay.core.pipeline import PipelineError
+from parlay.core.schedule import ScheduleError
+
+B = 16
+STEPS = 3
+
+
+def _model(layers: int, **changes) -> GPT:
+    return GPT(dataclasses.replace(PRESETS["tiny"], layers=layers, dropout=0.1, **changes))
+
+
+def _batch(model: GPT, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    c = model.config
+    return {"tokens": rng.integers(0, c.vocab, (B, c.seq)).astype(np.int32),
+            "targets": rng.integers(0, c.vocab, (B, c.seq)).astype(np.int32)}
+
+
+def _run(session, batch):
+    loss, grads = session.loss_and_grads(batch)
+    losses = [session.step(batch) for _ in range(STEPS)]
+    return loss, grads, losses, session.params()
+
+
+def _assert_same(got, want, what: str, layers: int):
+    (loss, grads, losses, params), (loss1, grads1, losses1, params1) = got, want
+    assert abs(loss - loss1) <= 1e-5 * abs(loss1), what
+    scale = max(np.abs(g).max() for g in grads1.values())
+    for name in grads1:
+        np.testing.assert_allclose(grads[name], grads1[name], rtol=0, atol=1e-5 * scale, err_msg=f"{what}: {name}")
+    np.testing.assert_allclose(losses, losses1, rtol=1e-5, err_msg=what)
+    start = _model(layers).init(0)  # where every backend starts
+    for name in params1:
+        moved = np.linalg.norm(params1[name] - start[name])
+        assert np.linalg.norm(params[name] - params1[name]) <= 2e-3 * moved, f"{what}: {name}"
+
+
+_REFS: dict = {}
+
+
+def _reference(backend: str, layers: int):
+    key = (backend, layers)
+    if key not in _REFS:
+        model = _model(layers)
+        _REFS[key] = get_backend(backend).run(make_program(model, "dp", Mesh(dp=1), batch=B), _run, _batch(model))
+    return _REFS[key]
+
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]
+# (strategy, mesh axes) beside the pipeline, for p = 2 and p = 4
+BESIDE = {2: [("pp", dict(pp=2)), ("pp+dp+tp", dict(pp=2, dp=2, tp=2))],
+          4: [("pp", dict(pp=4)), ("pp+fsdp", dict(pp=4, dp=2))]}
+
+
+def _cases():
+    for p, beside in BESIDE.items():
+        for schedule in SCHEDULES:
+            for m in (p, 2 * p):
+                for strategy, axes in beside:
+                    yield schedule, p, m, strategy, axes
+
+
+def _marked(case):
+    # The pipeline alone (no axis beside it) is the simpler case: with the exhaustive checks (make test-all).
+    return pytest.param(*case, marks=pytest.mark.exhaustive) if case[3] == "pp" else case
+
+
+@pytest.mark.parametrize("schedule, p, m, strategy, axes", [_marked(c) for c in _cases()],
+                         ids=[f"{s}-p{p}-m{m}-{st}" for s, p, m, st, _ in _cases()])
+def test_numpy_pipeline_equals_one_device(schedule, p, m, strategy, axes):
+    layers = 4 * p // 2
+    model = _model(layers)
+    program = make_program(model, strategy, Mesh(**axes), batch=B, microbatches=m, schedule=schedule)
+    got = get_backend("numpy").run(program, _run, _batch(model))
+    _assert_same(got, _reference("numpy-single", layers), f"{schedule} p={p} m={m} {strategy}", layers)
+
+
+def torch_pipeline_cases(rank, cases):
+    """Every (schedule, strategy, axes, m, layers) in one spawn: loss, gradients, losses, params."""
+    from parlay.backends.torch.session import TorchSession
+
+    out = {}
+    for schedule, strategy, axes, m, layers in cases:
+        model = _model(layers)
+        program = make_program(model, strategy, Mesh(**axes), batch=B, microbatches=m, schedule=schedule)
+        session = TorchSession(program, model.init(0))
+        out[(schedule, strategy, m)] = _run(session, _batch(model))
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_torch_pipeline_on_4_ranks_every_schedule():
+    cases = [(s, "pp+dp", dict(pp=2, dp=2), m, 4) for s in SCHEDULES for m in (2, 4)]
+    results = spawn(torch_pipeline_cases, 4, cases, timeout_s=600)[0]
+    ref = _reference("torch-single", 4)
+    for key, got in results.items():
+        _assert_same(got, ref, str(key), 4)
+
+
+@pytest.mark.slow
+def test_torch_pipeline_on_8_ranks_with_dp_tp_fsdp_zero2():
+    cases = [("1f1b", "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4), ("zbv", "pp+zero2+tp", dict(pp=2, dp=2, tp=2), 4, 4),
+             ("interleaved", "pp+fsdp", dict(pp=4, dp=2), 4, 8), ("zb-h1", "pp+dp", dict(pp=4, dp=2), 8, 8),
+             ("gpipe", "pp+tp_sp", dict(pp=4, tp=2), 4, 8)]
+    results = spawn(torch_pipeline_cases, 8, cases, timeout_s=600)[0]
+    for (schedule, strategy, axes, m, layers) in cases:
+        _assert_same(results[(schedule, strategy, m)], _reference("torch-single", layers), f"{schedule} {strategy}",
+                     layers)
+
+
+def test_pipeline_assigns_stages_by_placement():
+    program = make_program(_model(8), "pp+dp", Mesh(pp=4, dp=2), batch=B, microbatches=4, schedule="zbv")
+    pipe = program.pipeline
+    assert pipe.layers_of_stage == tuple((i,) for i in range(8))
+    assert [pipe.schedule.stages_of(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert "embed.table" in pipe.params_of_stage[0] and "lm_head.w" in pipe.params_of_stage[7]
+    assert pipe.rank_of_param("lm_head.w") == 0 and pipe.rank_of_param("blocks.4.mlp.w_in") == 3
+    program = make_program(_model(8), "pp", Mesh(pp=4), batch=B, microbatches=4, schedule="1f1b")
+    assert program.pipeline.layers_of_stage == ((0, 1), (2, 3), (4, 5), (6, 7))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(model=_model(3), mesh=Mesh(pp=2), microbatches=2, schedule="1f1b"),
+     r"its 3 layers do not divide into 2 stages \(2 ranks x 1 stages each, 1f1b\)"),
+    (dict(model=_model(4), mesh=Mesh(pp=2), microbatches=3, schedule="interleaved", batch=12),
+     r"microbatches=3 is not a multiple of p=2"),
+    (dict(model=_model(4), mesh=Mesh(pp=2), microbatches=3, schedule="1f1b"),
+     r"batch 16 cannot be cut into 3 microbatches"),
+    (dict(model=_model(4, tie_embeddings=True), mesh=Mesh(pp=2), microbatches=2, schedule="1f1b"),
+     r"parameter 'embed.table' is used by stages on pp ranks \[0, 1\]"),
+    (dict(model=_model(4), mesh=Mesh(pp=2), microbatches=2, schedule="dualpipe"), r"schedule 'dualpipe' is unknown"),
+])
+def test_pipeline_refuses_clearly(kwargs, match):
+    kwargs = {"strategy": "pp", "batch": B, **kwargs}
+    with pytest.raises((PipelineError, ScheduleError, ProgramError), match=match):
+        make_program(kwargs.pop("model"), kwargs.pop("strategy"), kwargs.pop("mesh"), **kwargs)
+
+
+def test_a_schedule_without_a_pipeline_is_refused():
+    with pytest.raises(ProgramError, match=r"schedule 'zbv' needs a pipeline: map the model's layers to a mesh axis"):
+        make_program(_model(4), "dp", Mesh(dp=2), batch=B, schedule="zbv")
+
+
+def test_a_model_without_stages_is_refused():
+    from parlay.core import DType, InputDecl, ParamDecl
+
+    class Classifier:  # a Model, but not a PipelineModel
+        def decls(self):
+            return (ParamDecl("w", (8, 4), ("feat", "cls")),)
+
+        def inputs(self, batch):
+            return {"x": InputDecl((batch, 8), ("batch", "feat"), DType.FLOAT32),
+                    "y": InputDecl((batch,), ("batch",), DType.INT32, high=4)}
+
+        def loss(self, ops, params, batch):
+            return ops.cross_entropy(ops.einsum("bf,fc->bc", batch["x"], ops.param("w", params["w"], ("feat", "cls"))),
+                                     batch["y"])
+
+    with pytest.raises(PipelineError, match=r"model Classifier cannot be pipelined over 'pp':\n  - it lacks layers\(\), "
+                                            r"residual\(\), embed\(\), layer\(\), head\(\)"):
+        make_program(Classifier(), "pp+dp", Mesh(pp=2, dp=2), batch=8, microbatches=2)
