@@ -275,10 +275,6 @@ def run_train(spec: TrainSpec, on_event: Callable = lambda e: None, *, resume=No
     from .checkpoint import Checkpoint, locked, new_run_id
 
     program = program or make_train_program(spec)
-    if program.pipeline is not None and spec.backend == "torch" and spec.checkpoint_dir and spec.checkpoint_every:
-        raise ValueError("saving checkpoints from a pipelined torch run is not built yet (each pp rank holds only its "
-                         "stages' parameters); leave out --checkpoint-every, or train on the numpy backend. Resuming "
-                         "into a pipeline from a checkpoint works.")
     as_checkpoint = lambda c: c if c is None or isinstance(c, Checkpoint) else Checkpoint(c)
     ckpt, init = as_checkpoint(resume), as_checkpoint(init_from)
     result = TrainResult()

@@ -34,25 +34,27 @@ def piece_key(name: str, start: Sequence[int]) -> str:
     return f"{name}@{','.join(str(a) for a in start)}"
 
 
-def _owners(layout: Layout, shape: Sequence[int]) -> dict[tuple, int]:
-    """Each distinct block (as (start, stop) per dim) -> the first rank that holds it."""
+def _owners(layout: Layout, shape: Sequence[int], holders=None) -> dict[tuple, int]:
+    """Each distinct block (as (start, stop) per dim) -> the first rank that holds it (of
+    ``holders``, where only some ranks hold the tensor: a pipeline stage's parameters)."""
     out: dict = {}
     for r, sl in enumerate(layout.shard_slices(tuple(shape))):
-        out.setdefault(tuple((s.start, s.stop) for s in sl), r)
+        if holders is None or r in holders:
+            out.setdefault(tuple((s.start, s.stop) for s in sl), r)
     return out
 
 
-def pieces_of(name: str, layout: Layout, shape: Sequence[int]) -> list[Piece]:
+def pieces_of(name: str, layout: Layout, shape: Sequence[int], holders=None) -> list[Piece]:
     if layout.partial:
         raise ValueError(f"checkpoint: {name} is in {layout}, a pending sum; store completed values.")
     return [Piece(rank_file(r), piece_key(name, [a for a, _ in block]), tuple(a for a, _ in block),
                   tuple(b for _, b in block))
-            for block, r in _owners(layout, shape).items()]
+            for block, r in _owners(layout, shape, holders).items()]
 
 
-def owned_blocks(name: str, layout: Layout, shape: Sequence[int], rank: int) -> list[Piece]:
+def owned_blocks(name: str, layout: Layout, shape: Sequence[int], rank: int, holders=None) -> list[Piece]:
     """The pieces rank ``rank`` writes (its block, if it is the first holder)."""
-    return [p for p in pieces_of(name, layout, shape) if p.file == rank_file(rank)]
+    return [p for p in pieces_of(name, layout, shape, holders) if p.file == rank_file(rank)]
 
 
 def box(index: Sequence[slice], shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -300,3 +300,20 @@ def test_reading_outside_the_tensor_is_refused(good):
         c.read("params/embed.table", (slice(250, 260), slice(0, 64)))
     with pytest.raises(ValueError, match="1 slices for a tensor of 2 dims"):
         c.read("params/embed.table", (slice(0, 4),))
+
+
+def test_a_pipelined_torch_checkpoint_resumes_without_pp_and_the_reverse(tmp_path):
+    # pp=2 x dp=2, 1F1B on 2 microbatches: each pp rank writes only its stages' parameters.
+    d = _resume_equals_uninterrupted(
+        tmp_path / "a",
+        ["--backend", "torch", "--mesh", "pp=2,dp=2", "--strategy", "pp+dp", "--microbatches", "2"],
+        ["--backend", "numpy", "--mesh", "dp=2,tp=2", "--strategy", "fsdp+tp"])
+    manifest = json.loads((d / "step-00000004" / "manifest.json").read_text())
+    files = lambda name: {p["file"] for p in manifest["tensors"][name]["pieces"]}
+    assert files("params/embed.table") == {"rank-00000.safetensors"}  # pp rank 0: ranks 0 and 1
+    assert files("params/lm_head.w") == {"rank-00002.safetensors"}  # pp rank 1: ranks 2 and 3
+    _resume_equals_uninterrupted(
+        tmp_path / "b",
+        ["--backend", "numpy", "--mesh", "dp=2", "--strategy", "zero2"],
+        ["--backend", "torch", "--mesh", "pp=2,dp=2", "--strategy", "pp+zero2", "--microbatches", "2",
+         "--schedule", "zb-h1"])

@@ -651,17 +651,22 @@ class TorchSession:
 
     def checkpoint_tensors(self):
         """Every rank computes the same ``tensors`` (from the layouts alone); ``blocks`` holds this
-        rank's file only."""
-        if self.program.pipeline is not None:
-            raise ValueError("saving a checkpoint from a pipelined run is not built yet (each pp rank holds only its "
-                             "stages' parameters, and the checkpoint's files follow the layouts); train without "
-                             "--checkpoint-dir under pp, or save from a run without pp. Resuming into pp works.")
+        rank's file only. Under a pipeline a stage's parameters (and their AdamW moments) are
+        written by the ranks of the pp rank that holds them."""
+        lay, shapes, pipe = self.program.layouts, self.program.shapes, self.program.pipeline
+        values = {name: value for name, value, _ in self._named()}
+        named = [(f"params/{k}", lay[Role.PARAMS][k]) for k in shapes]
+        named += [(f"opt/{kind}/{k}", lay[Role.OPTIMIZER][k]) for k in shapes for kind in ("mu", "nu")]
+        mesh = self.program.mesh
         tensors, mine = [], {}
-        for name, value, layout in self._named():
-            shape = self.program.shapes[name.rsplit("/", 1)[1]]
-            tensors.append((name, tuple(shape), str(layout), pieces_of(name, layout, shape)))
-            for piece in owned_blocks(name, layout, shape, self.rank):
-                mine[piece.key] = value.cpu().numpy()
+        for name, layout in named:
+            k = name.rsplit("/", 1)[1]
+            holders = None if pipe is None else {
+                r for r in range(mesh.size) if mesh.coord(r, pipe.axis) == pipe.rank_of_param(k)}
+            tensors.append((name, tuple(shapes[k]), str(layout), pieces_of(name, layout, shapes[k], holders)))
+            if name in values:
+                for piece in owned_blocks(name, layout, shapes[k], self.rank, holders):
+                    mine[piece.key] = values[name].cpu().numpy()
         return tensors, ({rank_file(self.rank): mine} if mine else {}), self.count
 
     def restore(self, ckpt, params_only: bool = False) -> None:
