@@ -135,3 +135,22 @@ def test_cli_step_takes_microbatches(capsys):
                  "--microbatches", "2"]) == 0
     assert main(["step", "--backend", "numpy", "--mesh", "dp=2", "--strategy", "dp", "--microbatches", "3"]) == 2
     assert "batch 8 cannot be cut into 3 microbatches" in capsys.readouterr().err
+
+
+def _collectives_per_step(session):
+    session.step(BATCH)
+    return session.log.counts(backward=True)
+
+
+@pytest.mark.slow
+def test_torch_reduces_gradients_once_per_step_whatever_k():
+    # DDP's no_sync: the earlier microbatches' partial gradients wait on the rank, the last
+    # backward reduces their sum (the buckets' all-reduces under dp, ZeRO-2's reduce-scatters).
+    from parlay.core import Kind
+
+    for strategy in ("dp", "zero2"):
+        counts = {k: get_backend("torch").run(make_program(MODEL, strategy, Mesh(dp=2), batch=B, microbatches=k,
+                                                            optimizer=OPT), _collectives_per_step) for k in (1, 4)}
+        assert counts[4] == counts[1], (strategy, counts)
+        kind = Kind.ALL_REDUCE if strategy == "dp" else Kind.REDUCE_SCATTER
+        assert sum(n for (kd, axes), n in counts[1].items() if kd is kind and axes == ("dp",)) >= 1, counts[1]

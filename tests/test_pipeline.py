@@ -182,3 +182,17 @@ def test_a_model_without_stages_is_refused():
     with pytest.raises(PipelineError, match=r"model Classifier cannot be pipelined over 'pp':\n  - it lacks layers\(\), "
                                             r"residual\(\), embed\(\), layer\(\), head\(\)"):
         make_program(Classifier(), "pp+dp", Mesh(pp=2, dp=2), batch=8, microbatches=2)
+
+
+def _step_collectives(session, batch):
+    session.step(batch)
+    return session.log.counts(backward=True)
+
+
+@pytest.mark.slow
+def test_torch_pipeline_reduces_each_stages_gradients_once_per_step():
+    model = _model(4)
+    counts = {m: get_backend("torch").run(make_program(model, "pp+dp", Mesh(pp=2, dp=2), batch=B, microbatches=m,
+                                                       schedule="zb-h1"), _step_collectives, _batch(model))
+              for m in (2, 8)}
+    assert counts[2] == counts[8] and counts[2], counts

@@ -7,6 +7,10 @@ backward instead hands the gradient to a ``GradSync``: gradients are copied into
 per set of axes; a full bucket starts an asynchronous all-reduce while backward goes on; ``finish``
 waits for the last ones and adds the sums into ``param.grad``. A parameter used twice (a tied
 embedding) hands over two partial gradients; each is summed over the ranks and both are added.
+
+Gradient accumulation (``defer``): while a step's earlier microbatches run backward, the partial
+gradients are summed on this rank only; the backward that ends the step reduces the sums, so a
+step issues the collectives of one batch whatever its number of microbatches (DDP's ``no_sync``).
 """
 
 from __future__ import annotations
@@ -38,8 +42,18 @@ class GradSync:
         self._sizes: dict[tuple, int] = {}
         self._inflight: list = []  # (work, flat, [(param, numel)])
         self._queued = False
+        self.defer = False  # hold partial gradients on this rank (a step's earlier microbatches)
+        self._held: dict = {}  # ("param", id(param), axes) or ("sharded", name, layout, axes) -> held sum
+        self._params: dict = {}  # id(param) -> param, for the held sums
 
     def reduce_to_layout(self, name: str, layout: Layout, grad: torch.Tensor, axes: tuple[str, ...]) -> None:
+        key = ("sharded", name, layout, axes)
+        if self.defer:
+            self._hold(key, grad)
+            return
+        held = self._held.pop(key, None)
+        if held is not None:
+            grad = grad + held
         plan = plan_redistribute(layout.replace(partial=axes), self.grad_layouts[name],
                                  layout.global_shape(grad.shape), itemsize=grad.element_size())
         with torch.no_grad():
@@ -52,7 +66,31 @@ class GradSync:
     def wants_layout(self, name: str, layout) -> bool:
         return name in self.grad_layouts and self.grad_layouts[name] != layout
 
+    def _hold(self, key, grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._held[key] = grad.detach().clone() if key not in self._held else self._held[key] + grad.detach()
+
+    def release(self) -> None:
+        """Reduce whatever is still held (a step whose last backward did not reach a parameter)."""
+        self.defer = False
+        for key in list(self._held):
+            if key[0] == "sharded":
+                _, name, layout, axes = key
+                self.reduce_to_layout(name, layout, torch.zeros_like(self._held[key]), axes)
+            else:
+                _, pid, axes = key
+                self.add(self._params[pid], torch.zeros_like(self._held[key]), axes)
+        self.finish()
+
     def add(self, param: torch.Tensor, grad: torch.Tensor, axes: tuple[str, ...]) -> None:
+        key = ("param", id(param), axes)
+        if self.defer:
+            self._params[id(param)] = param
+            self._hold(key, grad)
+            return
+        held = self._held.pop(key, None)
+        if held is not None:
+            grad = grad + held
         self._open.setdefault(axes, []).append((param, grad.detach().reshape(-1)))
         self._sizes[axes] = self._sizes.get(axes, 0) + grad.numel() * grad.element_size()
         if self._sizes[axes] >= self.bucket_bytes:

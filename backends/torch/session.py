@@ -261,6 +261,7 @@ class _TorchStages:
         shape, dims = self.p.model.residual(self.p.batch)
         self.x_shape, self.x_layout = tuple(shape), self.p.activation(dims, shape)
         self.x_dims = dims
+        self.weight_passes: dict = {}  # a stage's parameter names -> weight-gradient passes left this step
 
     def forward(self, stage: int, mb: int, x):
         s, p, model = self.s, self.p, self.p.model
@@ -299,6 +300,10 @@ class _TorchStages:
             wrt += [s.local[k] for k in sorted(names)]
         if wrt:
             mark_progress()
+            if s.grad_sync is not None and part is not Op.I:
+                # the stage's gradient sums wait for its last backward of the step
+                self.weight_passes[ctx[2]] = left = self.weight_passes.get(ctx[2], len(self.parts)) - 1
+                s.grad_sync.defer = left > 0
             torch.autograd.backward(out, seed, inputs=wrt, retain_graph=part is Op.I)
             if s.grad_sync is not None and part is not Op.I:
                 s.grad_sync.finish()
@@ -477,10 +482,14 @@ class TorchSession:
         if self.program.pipeline is not None:
             return self._run_pipeline(parts)
         total = 0.0
-        for arrays, rows in parts:
+        for i, (arrays, rows) in enumerate(parts):
+            if self.grad_sync is not None:  # the step's sums wait for its last microbatch
+                self.grad_sync.defer = i < len(parts) - 1
             loss = self.loss(arrays, program=self.program.micro, rows=rows, accumulate=True)
             self.backward(loss / len(parts) if len(parts) > 1 else loss)
             total += float(loss.detach()) / len(parts)
+        if self.grad_sync is not None:
+            self.grad_sync.release()
         return total
 
     def _run_pipeline(self, parts) -> float:
@@ -490,6 +499,8 @@ class TorchSession:
         transport = _P2P(self)
         losses = run_pipeline(pipe, {self.pp_rank: _TorchStages(self, parts)}, transport)[self.pp_rank]
         transport.finish()
+        if self.grad_sync is not None:
+            self.grad_sync.release()
         # The last stage's rank has the losses; every rank returns their mean.
         mean = torch.tensor(sum(losses) / len(parts) if losses else 0.0, dtype=torch.float64, device=self.device)
         mark_progress()
