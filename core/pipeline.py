@@ -83,11 +83,21 @@ class Pipeline:
     def params_of_rank(self, rank: int) -> frozenset:
         return frozenset().union(*(self.params_of_stage[s] for s in self.schedule.stages_of(rank)))
 
+    def ranks_of_param(self, name: str) -> tuple[int, ...]:
+        """The pp ranks that hold (and update) parameter ``name``: one, or several where stages
+        on several ranks use it (a tied embedding and LM head)."""
+        return tuple(sorted({self.schedule.rank_of(s) for s, names in enumerate(self.params_of_stage) if name in names}))
+
     def rank_of_param(self, name: str) -> int:
-        """The pp rank that holds (and updates) parameter ``name``."""
-        ranks = {self.schedule.rank_of(s) for s, names in enumerate(self.params_of_stage) if name in names}
-        assert len(ranks) == 1, (name, ranks)  # make_pipeline refuses parameters shared across ranks
-        return ranks.pop()
+        """The first pp rank that holds parameter ``name`` (where its checkpoint blocks come from)."""
+        return self.ranks_of_param(name)[0]
+
+    @property
+    def shared_params(self) -> tuple[str, ...]:
+        """Parameters held by more than one pp rank: their gradients are summed over those ranks
+        (Megatron's embedding group), so every copy takes the same update."""
+        names = sorted(set().union(*self.params_of_stage))
+        return tuple(n for n in names if len(self.ranks_of_param(n)) > 1)
 
     def describe(self) -> str:
         sc = self.schedule
@@ -140,20 +150,7 @@ def make_pipeline(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleKind,
         if k == stages - 1:
             names |= uses["head"]
         params_of.append(frozenset(names))
-    pipe = Pipeline(axis, sched, layers_of, tuple(params_of))
-    shared = {}
-    for s, names in enumerate(params_of):
-        for n in names:
-            shared.setdefault(n, set()).add(sched.rank_of(s))
-    shared = {n: r for n, r in shared.items() if len(r) > 1}
-    if shared:
-        n, ranks = sorted(shared.items())[0]
-        raise PipelineError(f"model {name} cannot be pipelined over {axis}={p}:", [
-            f"parameter {n!r} is used by stages on pp ranks {sorted(ranks)}"
-            + (f" and {len(shared) - 1} more parameters too" if len(shared) > 1 else "")
-            + "; each parameter must live on one pp rank (a tied embedding and LM head would need their gradients "
-              "summed across the pipeline, which parlay does not do yet): untie it (e.g. tie_embeddings=False)"])
-    return pipe
+    return Pipeline(axis, sched, layers_of, tuple(params_of))
 
 
 # -- running a schedule ------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def _model(layers: int, **changes) -> GPT:
     return GPT(dataclasses.replace(PRESETS["tiny"], layers=layers, dropout=0.1, **changes))
 
 
+
 def _batch(model: GPT, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     c = model.config
@@ -149,8 +150,6 @@ def test_pipeline_assigns_stages_by_placement():
      r"microbatches=3 is not a multiple of p=2"),
     (dict(model=_model(4), mesh=Mesh(pp=2), microbatches=3, schedule="1f1b"),
      r"batch 16 cannot be cut into 3 microbatches"),
-    (dict(model=_model(4, tie_embeddings=True), mesh=Mesh(pp=2), microbatches=2, schedule="1f1b"),
-     r"parameter 'embed.table' is used by stages on pp ranks \[0, 1\]"),
     (dict(model=_model(4), mesh=Mesh(pp=2), microbatches=2, schedule="dualpipe"), r"schedule 'dualpipe' is unknown"),
 ])
 def test_pipeline_refuses_clearly(kwargs, match):
@@ -196,3 +195,31 @@ def test_torch_pipeline_reduces_each_stages_gradients_once_per_step():
                                                        schedule="zb-h1"), _step_collectives, _batch(model))
               for m in (2, 8)}
     assert counts[2] == counts[8] and counts[2], counts
+
+
+def tied_cases(rank, cases):
+    """A GPT whose LM head is its embedding table, pipelined: losses, gradients, parameters."""
+    from parlay.backends.torch.session import TorchSession
+
+    out = {}
+    for schedule, strategy, axes, m in cases:
+        model = _model(4, tie_embeddings=True)
+        program = make_program(model, strategy, Mesh(**axes), batch=B, microbatches=m, schedule=schedule)
+        out[(schedule, strategy)] = _run(TorchSession(program, model.init(0)), _batch(model))
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_a_tied_table_across_stages_sums_its_gradients():
+    # 1f1b puts the table's two uses on pp ranks 0 and 1 (their gradients summed over pp, both
+    # copies updated alike); zbv puts both on rank 0 (the V's ends).
+    model = _model(4, tie_embeddings=True)
+    program = make_program(model, "pp+dp", Mesh(pp=2, dp=2), batch=B, microbatches=2, schedule="1f1b")
+    assert program.pipeline.shared_params == ("embed.table",) and program.pipeline.ranks_of_param("embed.table") == (0, 1)
+    ref_np = get_backend("numpy-single").run(make_program(model, "dp", Mesh(dp=1), batch=B), _run, _batch(model))
+    _assert_same(get_backend("numpy").run(program, _run, _batch(model)), ref_np, "numpy 1f1b tied", 4)
+    ref = get_backend("torch-single").run(make_program(model, "dp", Mesh(dp=1), batch=B), _run, _batch(model))
+    cases = [("1f1b", "pp+dp", dict(pp=2, dp=2), 2), ("zbv", "pp+zero2", dict(pp=2, dp=2), 2),
+             ("gpipe", "pp+tp", dict(pp=2, tp=2), 4)]
+    for key, got in spawn(tied_cases, 4, cases, timeout_s=600)[0].items():
+        _assert_same(got, ref, f"torch {key} tied", 4)

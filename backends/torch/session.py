@@ -501,11 +501,38 @@ class TorchSession:
         transport.finish()
         if self.grad_sync is not None:
             self.grad_sync.release()
+        self._sum_shared_grads()
         # The last stage's rank has the losses; every rank returns their mean.
         mean = torch.tensor(sum(losses) / len(parts) if losses else 0.0, dtype=torch.float64, device=self.device)
         mark_progress()
         dist.all_reduce(mean, group=self.tm.group((pipe.axis,))[0])
         return float(mean)
+
+    def _sum_shared_grads(self) -> None:
+        """A parameter held by several pp ranks (a tied table on the first and last stage) gets
+        the sum of their gradients: an all-reduce over pp, the ranks that do not hold it adding
+        zeros. The same order on every rank."""
+        import torch.distributed as dist
+
+        pipe, lay = self.program.pipeline, self.program.layouts
+        sharded = self.grad_sync.sharded if self.grad_sync is not None else {}
+        group = self.tm.group((pipe.axis,))[0]
+        for k in pipe.shared_params:
+            into_sharded = k in self._sharded_grads()
+            layout = lay[Role.GRADS][k] if into_sharded else lay[Role.PARAMS][k]
+            if k in self.local:
+                g, held_in = self.grads()[k]
+                assert held_in == layout, (k, held_in, layout)  # every rank must send the same shape
+                g = g.clone()
+            else:
+                g = torch.zeros(layout.local_shape(self.program.shapes[k]), device=self.device)
+            mark_progress()
+            dist.all_reduce(g, group=group)
+            if k in self.local:
+                if into_sharded:
+                    sharded[k], self.local[k].grad = g, None
+                else:
+                    self.local[k].grad = g
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, then wait for the bucketed gradient sums."""
@@ -552,7 +579,9 @@ class TorchSession:
                     # the optimizer's own shard (ZeRO), or a gradient that went to its own layout
                     m.grad = self._move(k, g, layout, lay[Role.OPTIMIZER][k]).clone()
                 opt_layout = lay[Role.OPTIMIZER][k]
-                holders = mesh.size // (mesh.axis_size(pipe.axis) if pipe is not None else 1)  # a pp rank's share
+                # the ranks holding this parameter: a pp rank's share, times the pp ranks sharing it
+                holders = mesh.size if pipe is None else mesh.size // mesh.axis_size(pipe.axis) * len(
+                    pipe.ranks_of_param(k))
                 copies = holders // int(np.prod([opt_layout.shard_count(d) for d in range(m.ndim)]))
                 sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
             mark_progress()
