@@ -24,8 +24,9 @@ _MAX_GRID = 160  # timeline columns printed in the terminal
 def print_schedule(sim: Simulation, console: Console, *, comms: bool = False) -> None:
     sc = sim.schedule
     console.print(f"{sc.name} schedule: p={sc.ranks} ranks, m={sc.microbatches} microbatches, "
-                  f"{sc.stages} stages ({sc.virtual} a rank, {sc.placement.value} placement); costs F={sim.costs.f:g} "
-                  + (f"I={sim.costs.i:g} W={sim.costs.w:g}" if sc.splits_backward else f"B={sim.costs.of(Op.B):g}")
+                  f"{sc.stages} stages ({sc.virtual} a rank, {sc.placement.value} placement); costs F={_num(sim.costs.f)} "
+                  + (f"I={_num(sim.costs.i)} W={_num(sim.costs.w)}" if sc.splits_backward
+                     else f"B={_num(sim.costs.b if sim.costs.b is not None else sim.costs.of(Op.B))}")
                   + (f", comm {sim.costs.comm:g}" if sim.costs.comm else ""))
     console.print(sc.table(comms=comms), soft_wrap=True)
     grid = _grid(sim)
@@ -44,6 +45,10 @@ def print_schedule(sim: Simulation, console: Console, *, comms: bool = False) ->
                   f"({sum(sim.idle) / sum(sim.busy):.4f} of the ideal time); peak held: the most (stage, microbatch) "
                   f"activations a rank keeps at once (from F to the end of its B or W); peak activations: the same "
                   f"in microbatches of a 1/p share of the blocks.")
+
+
+def _num(v) -> str:
+    return ",".join(f"{x:g}" for x in v) if isinstance(v, (tuple, list)) else f"{v:g}"
 
 
 def _grid(sim: Simulation) -> str | None:

@@ -199,9 +199,12 @@ class Mailbox:
         return {key: self.box.pop(key) for key, _ in recvs}
 
 
-def run_pipeline(pipe: Pipeline, runners: Mapping[int, StageRunner], transport: Transport) -> dict[int, list]:
+def run_pipeline(pipe: Pipeline, runners: Mapping[int, StageRunner], transport: Transport, *,
+                 timeline: dict | None = None, clock=None) -> dict[int, list]:
     """Run the schedule on the pp ranks in ``runners`` (all of them in one process, or this
-    process's one); returns each rank's per-microbatch losses (the last stage's rank has them)."""
+    process's one); returns each rank's per-microbatch losses (the last stage's rank has them).
+    ``timeline``, with ``clock`` (e.g. ``time.perf_counter``): each rank's (start, end, action)
+    of every compute action, to set against ``simulate_schedule``'s."""
     sc = pipe.schedule
     rows = sc.with_comms()
     states = {r: _RankState() for r in runners}
@@ -215,7 +218,10 @@ def run_pipeline(pipe: Pipeline, runners: Mapping[int, StageRunner], transport: 
             while pos[r] < len(acts):
                 a = acts[pos[r]]
                 if a.op.is_compute:
+                    start = clock() if timeline is not None else 0.0
                     _compute(pipe, runner, st, a)
+                    if timeline is not None:
+                        timeline.setdefault(r, []).append((start, clock(), a))
                     pos[r] += 1
                     moved = True
                     continue

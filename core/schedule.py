@@ -455,21 +455,22 @@ def _posted(peer: tuple[int, int], at: list[int], batch_of: list[list[int]]) -> 
 
 @dataclass(frozen=True)
 class Costs:
-    """Time of one action on one stage (any unit), the time a value takes between ranks, and the
-    bytes of one stage's activation (and of its gradient) per microbatch. ``b`` defaults to
-    ``i + w``."""
+    """Time of one action on a stage (any unit; a number for every stage, or a tuple with one per
+    stage), the time a value takes between ranks, and the bytes of one stage's activation (and of
+    its gradient) per microbatch. ``b`` defaults to ``i + w``."""
 
-    f: float = 1.0
-    i: float = 1.0
-    w: float = 1.0
-    b: float | None = None
+    f: float | tuple = 1.0
+    i: float | tuple = 1.0
+    w: float | tuple = 1.0
+    b: float | tuple | None = None
     comm: float = 0.0
     activation_bytes: int = 0
 
-    def of(self, op: Op) -> float:
+    def of(self, op: Op, stage: int = 0) -> float:
+        pick = lambda v: v[stage] if isinstance(v, (tuple, list)) else v
         if op is Op.B:
-            return self.i + self.w if self.b is None else self.b
-        return {Op.F: self.f, Op.I: self.i, Op.W: self.w}[op]
+            return pick(self.i) + pick(self.w) if self.b is None else pick(self.b)
+        return pick({Op.F: self.f, Op.I: self.i, Op.W: self.w}[op])
 
 
 @dataclass(frozen=True)
@@ -526,7 +527,7 @@ def simulate_schedule(schedule: Schedule, costs: Costs = Costs()) -> Simulation:
                 if any(n not in end for n in needs):
                     break
                 ready = max([free[r]] + [end[n] + (costs.comm if sc.rank_of(n[0]) != r else 0.0) for n in needs])
-                stop = ready + costs.of(a.op)
+                stop = ready + costs.of(a.op, a.stage)
                 end[(a.stage, a.op, a.microbatch)] = stop
                 timeline[r].append((ready, stop, a))
                 free[r], nxt[r], left = stop, nxt[r] + 1, left - 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable, Mapping
 
 import numpy as np
@@ -497,8 +498,12 @@ class TorchSession:
 
         pipe = self.program.pipeline
         transport = _P2P(self)
-        losses = run_pipeline(pipe, {self.pp_rank: _TorchStages(self, parts)}, transport)[self.pp_rank]
+        self.timeline = {}  # this step's (start, end, action) per compute action (benchmarks read it)
+        self.timeline_start = time.perf_counter()
+        losses = run_pipeline(pipe, {self.pp_rank: _TorchStages(self, parts)}, transport, timeline=self.timeline,
+                              clock=time.perf_counter)[self.pp_rank]
         transport.finish()
+        self.timeline_end = time.perf_counter()
         if self.grad_sync is not None:
             self.grad_sync.release()
         self._sum_shared_grads()
