@@ -320,8 +320,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     check_output_file(args.plot, "--plot", (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff"))
     program = _program(args, mesh, backends)
     if program.pipeline is not None and not chosen:
-        backends = [b for b in backends if not b.startswith("jax")]
-        console.print(f"{program.strategy.name}: pipelines run on torch and numpy (JAX's lowering is not built yet); "
+        backends = [b for b in backends if b != "jax-gspmd"]
+        console.print(f"{program.strategy.name}: pipelines run on torch, JAX explicit and numpy (not under GSPMD); "
                       f"comparing those.")
     tol = Tolerance()
     if args.drop_all_reduce:
@@ -616,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(c, steps=5, batch=8, mesh="dp=2,tp=2", strategy="dp+tp")
     c.add_argument("--backends", default=None,
                    help="which to run against the reference (default: torch,jax,jax-gspmd,numpy; under a pipeline "
-                        "torch,numpy)")
+                        "torch,jax,numpy)")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
     c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
     c.add_argument("--drop-all-reduce", default=None, metavar="LAYER",

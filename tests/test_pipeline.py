@@ -1,5 +1,6 @@
 """Pipeline parallelism: every schedule, p in {2, 4}, m in {p, 2p}, alone and with dp/tp/fsdp/zero2
-beside it, on the numpy simulator and on torch gloo ranks, against the one-device run.
+beside it, on the numpy simulator, on torch gloo ranks and on JAX (explicit: a shard_map per stage on
+its pp rank's devices), against the one-device run.
 
 The GPT (tiny sizes, dropout 0.1 on: the masks are keyed by the batch's rows, so every
 microbatch draws the whole batch's bits) with 4 layers for p=2 and 8 for p=4 (interleaved and
@@ -97,6 +98,33 @@ def test_numpy_pipeline_equals_one_device(schedule, p, m, strategy, axes):
     program = make_program(model, strategy, Mesh(**axes), batch=B, microbatches=m, schedule=schedule)
     got = get_backend("numpy").run(program, _run, _batch(model))
     _assert_same(got, _reference("numpy-single", layers), f"{schedule} p={p} m={m} {strategy}", layers)
+
+
+# Each stage compiles (F, and B or I and W, per pp rank): seconds a case here. 1f1b (B), zbv (I and
+# W, the V's local turn) and interleaved (the loop's wrap from the last rank to the first) cover
+# the lowering's paths by default; the rest with the exhaustive checks.
+JAX_CASES = [pytest.param(s, "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4,
+                          marks=pytest.mark.slow if s in ("1f1b", "zbv", "interleaved") else pytest.mark.exhaustive)
+             for s in SCHEDULES] + [
+    pytest.param("interleaved", "pp+fsdp", dict(pp=4, dp=2), 4, 8, marks=pytest.mark.slow),
+    pytest.param("zbv", "pp+fsdp", dict(pp=4, dp=2), 4, 8, marks=pytest.mark.exhaustive),
+    pytest.param("zb-h1", "pp", dict(pp=4), 8, 8, marks=pytest.mark.exhaustive),
+]
+
+
+@pytest.mark.parametrize("schedule, strategy, axes, m, layers", JAX_CASES)
+def test_jax_pipeline_equals_one_device(schedule, strategy, axes, m, layers):
+    # JAX explicit: each stage a jitted shard_map on its pp rank's sub-mesh, driven by run_pipeline.
+    model = _model(layers)
+    program = make_program(model, strategy, Mesh(**axes), batch=B, microbatches=m, schedule=schedule)
+    got = get_backend("jax").run(program, _run, _batch(model))
+    _assert_same(got, _reference("jax-single", layers), f"jax {schedule} {strategy} m={m}", layers)
+
+
+def test_jax_gspmd_refuses_a_pipeline():
+    program = make_program(_model(4), "pp+dp", Mesh(pp=2, dp=2), batch=B, microbatches=2)
+    with pytest.raises(ValueError, match=r"JAX runs pipelines in explicit mode .* not under GSPMD: use --mode explicit"):
+        get_backend("jax-gspmd").run(program, _run, _batch(_model(4)))
 
 
 def torch_pipeline_cases(rank, cases):
@@ -223,3 +251,5 @@ def test_a_tied_table_across_stages_sums_its_gradients():
              ("gpipe", "pp+tp", dict(pp=2, tp=2), 4)]
     for key, got in spawn(tied_cases, 4, cases, timeout_s=600)[0].items():
         _assert_same(got, ref, f"torch {key} tied", 4)
+    ref_jax = get_backend("jax-single").run(make_program(model, "dp", Mesh(dp=1), batch=B), _run, _batch(model))
+    _assert_same(get_backend("jax").run(program, _run, _batch(model)), ref_jax, "jax 1f1b tied", 4)
