@@ -58,7 +58,7 @@ class JaxPipelineSession:
         grid = np.array(list(devices or jax.devices())[:mesh.size], dtype=object).reshape(mesh.sizes)
         axis = mesh.axis_names.index(pipe.axis)
         self.atoms = AtomMesh(self.sub.mesh)
-        self.meshes = [self.atoms.jax_mesh(list(np.take(grid, r, axis=axis).reshape(-1))) for r in range(pipe.ranks)]
+        self.meshes = [self.atoms.jax_mesh(list(np.take(grid, [r], axis=axis).reshape(-1))) for r in range(pipe.ranks)]
         self.tx = optax.chain(optax.scale_by_adam(b1=program.optimizer.beta1, b2=program.optimizer.beta2,
                                                   eps=program.optimizer.eps),
                               optax.add_decayed_weights(program.optimizer.weight_decay))
@@ -68,6 +68,15 @@ class JaxPipelineSession:
         self.x_layout = self.sub.activation(dims, shape)
         self._place_params(params)
         self._fns: dict = {}
+        # Set to a list to record, after every compute action, (pp rank, action, bytes of the live
+        # arrays on that rank's devices): benchmarks/pipeline_memory.py reads it.
+        self.memory_trace: list | None = None
+
+    def live_bytes(self, r: int) -> int:
+        """Bytes of every live array on pp rank r's devices (each shard counted once)."""
+        devices = set(self.meshes[r].devices.flat)
+        return sum(shard.data.nbytes for a in jax.live_arrays() for shard in a.addressable_shards
+                   if shard.device in devices)
 
     # -- placement -------------------------------------------------------------------------------------
     def _sharding(self, r: int, layout) -> NamedSharding:
@@ -288,7 +297,13 @@ class _Stages:
         x, b, step, rows = self._args(stage, mb, x)
         y = f(params, x, b, step, rows)
         out = float(y) if stage == s.pipe.stages - 1 else y
+        self._note(Op.F, stage, mb)
         return out, (stage, mb, x)
+
+    def _note(self, op, stage, mb) -> None:
+        if self.s.memory_trace is not None:
+            jax.block_until_ready(jax.live_arrays())
+            self.s.memory_trace.append((self.r, f"{stage}{op.value}{mb}", self.s.live_bytes(self.r)))
 
     def backward(self, ctx, dy, part):
         s = self.s
@@ -297,13 +312,16 @@ class _Stages:
         dy = np.float32(1.0 / len(self.parts)) if last else s._to(self.r, dy)
         kind = {Op.B: "B", Op.I: "I", Op.W: "W"}[part]
         if kind == "I" and stage == 0:
+            self._note(part, stage, mb)
             return None  # the first stage has no input gradient to make
         names, fn = s._fn(kind, self.r, stage, self.training)
         params = {k: s.pvals[self.r][k] for k in names}
         out = fn(params, x, self._inputs(mb), step_words(s.count), np.asarray(self.parts[mb][1], np.int32), dy)
         if kind == "I":
+            self._note(part, stage, mb)
             return out
         dparams, dx = (out, None) if kind == "W" else out
         for k, g in dparams.items():
             self.grads[k] = g if k not in self.grads else self.grads[k] + g
+        self._note(part, stage, mb)
         return None if stage == 0 else dx
