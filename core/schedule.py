@@ -196,10 +196,12 @@ def make_schedule(kind: ScheduleKind | str, ranks: int, microbatches: int, *, vi
     if kind not in (ScheduleKind.INTERLEAVED, ScheduleKind.ZBV) and v != 1:
         raise ScheduleError(f"{kind.value} runs one stage per rank; got virtual={v}. Choose interleaved for "
                             f"{v} stages per rank.")
+    if kind is ScheduleKind.INTERLEAVED and m < p:
+        raise ScheduleError(f"interleaved 1F1B needs at least p={p} microbatches (it takes them in groups of p, "
+                            f"Megatron's order); got microbatches={m}. Use {p} or {2 * p}.")
     if kind is ScheduleKind.INTERLEAVED and m % p:
         raise ScheduleError(f"interleaved 1F1B takes microbatches in groups of p (Megatron's order): "
-                            f"microbatches={m} is not a multiple of p={p}. Use {max(p, m - m % p)} or "
-                            f"{m - m % p + p}.")
+                            f"microbatches={m} is not a multiple of p={p}. Use {m - m % p} or {m - m % p + p}.")
     if kind is ScheduleKind.GPIPE:
         acts = [tuple(Action(r, Op.F, j) for j in range(m)) + tuple(Action(r, Op.B, j) for j in range(m))
                 for r in range(p)]

@@ -154,3 +154,12 @@ def test_torch_reduces_gradients_once_per_step_whatever_k():
         assert counts[4] == counts[1], (strategy, counts)
         kind = Kind.ALL_REDUCE if strategy == "dp" else Kind.REDUCE_SCATTER
         assert sum(n for (kd, axes), n in counts[1].items() if kd is kind and axes == ("dp",)) >= 1, counts[1]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_pipeline_is_accumulation_too(k):
+    # Under pp the microbatches are the pipeline's: 1F1B on pp=2 x dp=2 with k of them takes the
+    # one-batch step (k=1: one microbatch through both stages).
+    model = GPT(dataclasses.replace(PRESETS["tiny"], dropout=0.1))  # 2 layers: one a stage
+    program = make_program(model, "pp+dp", Mesh(pp=2, dp=2), batch=B, microbatches=k, optimizer=OPT)
+    _assert_same_step(get_backend("numpy").run(program, _run), _reference())

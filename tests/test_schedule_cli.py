@@ -43,3 +43,15 @@ def test_schedule_bad_input_one_line(argv, message, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(message), err
     assert "\n" not in err
+
+
+def test_compare_and_step_run_a_pipeline(capsys):
+    argv = ["--strategy", "pp+dp", "--mesh", "pp=2,dp=2", "--microbatches", "2", "--schedule", "zb-h1"]
+    assert main(["compare", *argv, "--steps", "2", "--backends", "numpy", "--plot", ""]) == 0
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())  # the table wraps at the terminal's width
+    assert "tiny, pp+dp (zb-h1, 2 microbatches) on Mesh(pp=2, dp=2)" in flat and "agree │ yes" in flat
+    assert main(["step", "--backend", "jax", "--mode", "gspmd", *argv, "--steps", "1"]) == 2
+    assert "JAX runs pipelines in explicit mode" in capsys.readouterr().err
+    assert main(["step", "--backend", "numpy", "--strategy", "dp", "--mesh", "dp=2", "--schedule", "1f1b"]) == 2
+    assert "schedule '1f1b' needs a pipeline" in capsys.readouterr().err
