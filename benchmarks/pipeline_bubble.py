@@ -34,7 +34,7 @@ from parlay.backends.torch.launch import spawn
 from parlay.backends.torch.session import TorchSession
 from parlay.core.models.gpt import GPT, PRESETS
 from parlay.core.program import make_program
-from parlay.core.schedule import Costs, Op, simulate_schedule
+from parlay.core.schedule import Costs, simulate_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 

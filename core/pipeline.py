@@ -51,12 +51,8 @@ class PipelineModel(Protocol):
     def head(self, ops: Ops, params: Mapping[str, Any], x: Any, batch: Mapping[str, Any]) -> Any: ...
 
 
-class PipelineError(ValueError):
-    """A model, mesh or schedule that cannot be pipelined; ``problems`` lists every reason."""
-
-    def __init__(self, headline: str, problems: Sequence[str] = ()):
-        self.problems = tuple(problems)
-        super().__init__(headline + "".join(f"\n  - {p}" for p in self.problems))
+class PipelineError(ScheduleError):
+    """A model or mesh that cannot be pipelined; ``problems`` lists every reason."""
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,6 @@ class _NumpyStages:
                 i += n
         if not n_x:
             return None
-        x_like = y if y is not None else None
         dx = [np.zeros_like(ad.value(v)) if g is None else g for v, g in zip(x_leaves, grads[:n_x])]
         shape, dims = self.p.model.residual(self.p.batch)
         layout = self.p.activation(dims, shape)
