@@ -109,6 +109,8 @@ JAX_CASES = [pytest.param(s, "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4,
     pytest.param("interleaved", "pp+fsdp", dict(pp=4, dp=2), 4, 8, marks=pytest.mark.slow),
     pytest.param("zbv", "pp+fsdp", dict(pp=4, dp=2), 4, 8, marks=pytest.mark.exhaustive),
     pytest.param("zb-h1", "pp", dict(pp=4), 8, 8, marks=pytest.mark.exhaustive),
+    pytest.param("1f1b", "pp+dp", dict(pp=4, dp=2), 8, 8, marks=pytest.mark.exhaustive),
+    pytest.param("gpipe", "pp+tp", dict(pp=4, tp=2), 4, 8, marks=pytest.mark.exhaustive),
 ]
 
 
@@ -147,6 +149,15 @@ def test_torch_pipeline_on_4_ranks_every_schedule():
     ref = _reference("torch-single", 4)
     for key, got in results.items():
         _assert_same(got, ref, str(key), 4)
+
+
+@pytest.mark.exhaustive
+def test_torch_pipeline_on_4_stage_ranks_every_schedule():
+    cases = [(s, "pp", dict(pp=4), m, 8) for s in SCHEDULES for m in (4, 8)]
+    results = spawn(torch_pipeline_cases, 4, cases, timeout_s=900)[0]
+    ref = _reference("torch-single", 8)
+    for key, got in results.items():
+        _assert_same(got, ref, str(key), 8)
 
 
 @pytest.mark.slow
