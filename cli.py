@@ -305,8 +305,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     from .compare import BACKENDS, Tolerance, drop_all_reduce, plot_compare, run_compare
 
     mesh = parse_mesh(args.mesh)
-    chosen = args.backends is not None
-    backends = [b.strip() for b in (args.backends or ",".join(BACKENDS)).split(",") if b.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
     if len(set(backends)) < len(backends):
         raise UsageError(f"--backends {args.backends!r} names a backend twice")
@@ -319,10 +318,6 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot", (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff"))
     program = _program(args, mesh, backends)
-    if program.pipeline is not None and not chosen:
-        backends = [b for b in backends if b != "jax-gspmd"]
-        console.print(f"{program.strategy.name}: pipelines run on torch, JAX explicit and numpy (not under GSPMD); "
-                      f"comparing those.")
     tol = Tolerance()
     if args.drop_all_reduce:
         layers = sorted({n.rsplit(".", 1)[0] for n in program.shapes})
@@ -614,9 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "tolerance, and name where it parts.",
     )
     _add_run_flags(c, steps=5, batch=8, mesh="dp=2,tp=2", strategy="dp+tp")
-    c.add_argument("--backends", default=None,
-                   help="which to run against the reference (default: torch,jax,jax-gspmd,numpy; under a pipeline "
-                        "torch,jax,numpy)")
+    c.add_argument("--backends", default="torch,jax,jax-gspmd,numpy", help="which to run against the reference")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
     c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
     c.add_argument("--drop-all-reduce", default=None, metavar="LAYER",

@@ -123,10 +123,15 @@ def test_jax_pipeline_equals_one_device(schedule, strategy, axes, m, layers):
     _assert_same(got, _reference("jax-single", layers), f"jax {schedule} {strategy} m={m}", layers)
 
 
-def test_jax_gspmd_refuses_a_pipeline():
-    program = make_program(_model(4), "pp+dp", Mesh(pp=2, dp=2), batch=B, microbatches=2)
-    with pytest.raises(ValueError, match=r"JAX runs pipelines in explicit mode .* not under GSPMD: use --mode explicit"):
-        get_backend("jax-gspmd").run(program, _run, _batch(_model(4)))
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, strategy, axes, m", [("zbv", "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2),
+                                                        ("1f1b", "pp+fsdp", dict(pp=2, dp=2), 4)])
+def test_jax_gspmd_pipeline_equals_one_device(schedule, strategy, axes, m):
+    # GSPMD: the same driver, each stage a jitted function of global arrays on its sub-mesh.
+    model = _model(4)
+    program = make_program(model, strategy, Mesh(**axes), batch=B, microbatches=m, schedule=schedule)
+    got = get_backend("jax-gspmd").run(program, _run, _batch(model))
+    _assert_same(got, _reference("jax-single", 4), f"gspmd {schedule} {strategy}", 4)
 
 
 def torch_pipeline_cases(rank, cases):

@@ -1,5 +1,6 @@
 """The JAX backend under a pipeline: each pp rank's slice of the devices is a sub-mesh, each stage
-a jitted ``shard_map`` of the core executor on it, and ``core.pipeline.run_pipeline`` drives every
+a jitted ``shard_map`` of the core executor on it (explicit mode; under GSPMD, a jitted function
+of global arrays with the layouts as shardings), and ``core.pipeline.run_pipeline`` drives every
 pp rank's actions from this one process (MPMD, as JaxPP does), passing values between sub-meshes
 with ``jax.device_put``.
 
@@ -23,12 +24,12 @@ from typing import Callable, Mapping
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ...core.executor import Sharded
 from ...core.log import CollectiveLog
 from ...core.mesh import Mesh
-from ...core.ops import step_words
+from ...core.ops import DenseOps, DropoutKey, step_words
 from ...core.pieces import owned_blocks, pieces_of, rank_file
 from ...core.pipeline import Mailbox, run_pipeline
 from ...core.program import Program, make_program
@@ -37,7 +38,8 @@ from ...core.session import input_values, microbatches, scalar_loss
 from ...core.strategies import Role
 from .comm import JaxComm
 from .distributed import fetch, put
-from .mesh import AtomMesh
+from .mesh import AtomMesh, lower_layout, lower_mesh
+from .ops import JaxLocal
 
 __all__ = ["JaxPipelineSession"]
 
@@ -46,8 +48,8 @@ class JaxPipelineSession:
     rank, lead = 0, True
 
     def __init__(self, program: Program, params: Mapping[str, np.ndarray], *, seed: int = 0,
-                 emit: Callable | None = None, devices=None):
-        self.program, self.seed, self._emit = program, seed, emit
+                 emit: Callable | None = None, devices=None, gspmd: bool = False):
+        self.program, self.seed, self._emit, self.gspmd = program, seed, emit, gspmd
         self.pipe = pipe = program.pipeline
         mesh = program.mesh
         self.log = CollectiveLog()
@@ -58,7 +60,9 @@ class JaxPipelineSession:
         grid = np.array(list(devices or jax.devices())[:mesh.size], dtype=object).reshape(mesh.sizes)
         axis = mesh.axis_names.index(pipe.axis)
         self.atoms = AtomMesh(self.sub.mesh)
-        self.meshes = [self.atoms.jax_mesh(list(np.take(grid, [r], axis=axis).reshape(-1))) for r in range(pipe.ranks)]
+        slices = [list(np.take(grid, [r], axis=axis).reshape(-1)) for r in range(pipe.ranks)]
+        self.meshes = [lower_mesh(self.sub.mesh, d, axis_type=AxisType.Auto) if gspmd else self.atoms.jax_mesh(d)
+                       for d in slices]
         self.tx = optax.chain(optax.scale_by_adam(b1=program.optimizer.beta1, b2=program.optimizer.beta2,
                                                   eps=program.optimizer.eps),
                               optax.add_decayed_weights(program.optimizer.weight_decay))
@@ -80,6 +84,8 @@ class JaxPipelineSession:
 
     # -- placement -------------------------------------------------------------------------------------
     def _sharding(self, r: int, layout) -> NamedSharding:
+        if self.gspmd:
+            return lower_layout(layout, self.meshes[r])
         return NamedSharding(self.meshes[r], self.atoms.spec(layout))
 
     def _held(self, r: int) -> list[str]:
@@ -109,6 +115,8 @@ class JaxPipelineSession:
         names = [k for k in self._held(r) if k in pipe.params_of_stage[stage]]
         last = stage == pipe.stages - 1
         lay = sub.layouts[Role.PARAMS]
+        if self.gspmd:
+            return names, self._gspmd_stage_fn(r, stage, training, names)
 
         def local(params, x, batch, step, rows):
             comm = JaxComm(atoms, self.log)
@@ -133,6 +141,25 @@ class JaxPipelineSession:
                     PartitionSpec())
         out_spec = PartitionSpec() if last else atoms.spec(self.x_layout)
         return names, jax.shard_map(local, mesh=self.meshes[r], in_specs=in_specs, out_specs=out_spec)
+
+    def _gspmd_stage_fn(self, r: int, stage: int, training: bool, names):
+        """The stage on global arrays of pp rank r's sub-mesh: XLA chooses the collectives from the
+        layouts (parameters where used, activations at the constraint points)."""
+        sub, pipe, model, jmesh = self.sub, self.pipe, self.program.model, self.meshes[r]
+        wsc = jax.lax.with_sharding_constraint
+
+        def f(params, x, batch, step, rows):
+            ops = DenseOps(JaxLocal(), constrain=lambda v, dims: wsc(v, lower_layout(sub.activation(dims, v.shape),
+                                                                                     jmesh)),
+                           param=lambda name, v, dims: wsc(v, lower_layout(sub.compute(name), jmesh)),
+                           training=training, rng=DropoutKey(self.seed, step, rows=(rows[0], rows[1])))
+            h = model.embed(ops, params, batch) if stage == 0 else x
+            for i in pipe.layers_of_stage[stage]:
+                h = model.layer(ops, params, i, h)
+            if stage == pipe.stages - 1:
+                return model.head(ops, params, h, batch)
+            return ops.constrain(h, self.x_dims)
+        return f
 
     def _fn(self, kind: str, r: int, stage: int, training: bool = True):
         key = (kind, r, stage, training)

@@ -75,16 +75,11 @@ class JaxBackend:
     def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
             timeout_s: float = 600.0):
         self.prepare(program.mesh)
-        if program.pipeline is not None and self.mode is Mode.GSPMD:
-            raise ValueError(f"strategy {program.strategy.name!r} pipelines the model over "
-                             f"{program.pipeline.axis!r}; JAX runs pipelines in explicit mode (each stage a "
-                             f"shard_map on its pp rank's devices), not under GSPMD: use --mode explicit (parlay "
-                             f"compare: --backends torch,jax,numpy).")
-        if program.pipeline is not None and self.mode is Mode.EXPLICIT:
+        if program.pipeline is not None and self.mode is not Mode.SINGLE:
             from .pipeline import JaxPipelineSession
 
             return fn(JaxPipelineSession(program, program.init(seed) if params is None else params, seed=seed,
-                                         emit=on_event), *args)
+                                         emit=on_event, gspmd=self.mode is Mode.GSPMD), *args)
         session = JaxSession(program, self.mode, program.init(seed) if params is None else params, seed=seed,
                              emit=on_event)
         return fn(session, *args)
