@@ -166,6 +166,8 @@ def _cmd_schedule(args: argparse.Namespace, console: Console) -> int:
 
     check_output_file(args.json, "--json")
     check_output_file(args.plot or None, "--plot", (".png", ".svg", ".pdf"))
+    if args.pp < 1 or args.microbatches < 1:
+        raise UsageError(f"--pp {args.pp} and --microbatches {args.microbatches} must be positive")
     f, i, w = parse_costs(args.costs)
     if args.comm < 0 or args.activation_bytes < 0:
         raise UsageError(f"--comm {args.comm} and --activation-bytes {args.activation_bytes} must be >= 0")
@@ -250,6 +252,27 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
     return program
 
 
+def run_label(program) -> str:
+    """The strategy, with the pipeline's schedule and the microbatches where there are any."""
+    if program.pipeline is not None:
+        return f"{program.strategy.name} ({program.pipeline.schedule.name}, {program.microbatches} microbatches)"
+    if program.microbatches > 1:
+        return f"{program.strategy.name} ({program.microbatches} microbatches)"
+    return program.strategy.name
+
+
+def note_pipeline(program, console: Console) -> None:
+    """A line when a pipeline has fewer microbatches than ranks: most of each step is bubble."""
+    from .core.schedule import simulate_schedule
+
+    pipe = program.pipeline
+    if pipe is not None and program.microbatches < pipe.ranks:
+        bubble = simulate_schedule(pipe.schedule).bubble
+        console.print(f"note: {program.microbatches} microbatch(es) on {pipe.ranks} pipeline ranks: each rank idles "
+                      f"{bubble:.0%} of a step ({pipe.schedule.name}, equal stage costs); --microbatches "
+                      f"{2 * pipe.ranks} or more shrinks it")
+
+
 def machine_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -288,7 +311,8 @@ def _cmd_step(args: argparse.Namespace, console: Console) -> int:
     program = _program(args, mesh, [backend])
     rows = run_steps(backend, program, steps=args.steps, seed=args.seed, timeout_s=args.collective_timeout)
     what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
-    table = Table(title=f"{args.model}, {program.strategy.name} on {mesh}, {what}, batch {args.batch}, random inputs",
+    note_pipeline(program, console)
+    table = Table(title=f"{args.model}, {run_label(program)} on {mesh}, {what}, batch {args.batch}, random inputs",
                   title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("loss", justify="right")
@@ -336,9 +360,8 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
                          f"pending sum (e.g. an MLP or attention output under tp)")
     data = getattr(program.model, "dataset", None)
     source = "stdlib bytes" if args.model in PRESETS else ("its dataset" if callable(data) else "random inputs")
-    piped = f" ({program.pipeline.schedule.name}, {program.microbatches} microbatches)" if program.pipeline else ""
-    table = Table(title=f"{args.model}, {program.strategy.name}{piped} on {mesh}, batch {args.batch}, {source}; loss "
-                        f"per step",
+    note_pipeline(program, console)
+    table = Table(title=f"{args.model}, {run_label(program)} on {mesh}, batch {args.batch}, {source}; loss per step",
                   title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("reference (1 device)", justify="right")
@@ -472,7 +495,8 @@ def _train(args, console: Console, spec, program, data, describe, baseline) -> i
     mesh, backend = program.mesh, spec.backend
     ckpt, init = _train_checkpoints(args, spec, program, console)
     what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
-    console.print(f"{args.model}, {program.strategy.name} on {mesh}, {what}: {args.steps} steps of {args.batch} examples "
+    note_pipeline(program, console)
+    console.print(f"{args.model}, {run_label(program)} on {mesh}, {what}: {args.steps} steps of {args.batch} examples "
                   f"of {describe() if callable(describe) else dataset_source(data)}"
                   + (f"; {baseline[0]} {baseline[1]:.3f}" if baseline else ""), soft_wrap=True)
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
@@ -537,7 +561,8 @@ def _cmd_import_hf(args: argparse.Namespace, console: Console) -> int:
 
 _MODEL_HELP = ("a preset (" + ", ".join(PRESETS) + ") or your own: FILE.py:NAME or package.module:NAME, NAME a model "
                "object or a function of no arguments returning one (see parlay.core.model)")
-_STRATEGY_HELP = ("built-in strategies joined by '+' (dp, zero1, zero2, fsdp, tp, tp_sp, ulysses, tp2d; e.g. fsdp+tp) "
+_STRATEGY_HELP = ("built-in strategies joined by '+' (dp, zero1, zero2, fsdp, tp, tp_sp, ulysses, tp2d, pp; e.g. "
+                  "fsdp+tp, pp+dp) "
                   "or your own Strategy: FILE.py:NAME or package.module:NAME")
 
 
@@ -555,9 +580,9 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
                         "update (gradient accumulation: the same step as one batch, a K-th of the activations); "
                         "with the pp strategy, the pipeline's microbatches")
     p.add_argument("--schedule", default=None, choices=SCHEDULES,
-                   help="the pipeline schedule, with the pp strategy (default 1f1b); see parlay schedule")
+                   help="the pipeline schedule, with the pp strategy (none given: 1f1b); see parlay schedule")
     p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
-                   help="pipeline stages a pp rank runs (interleaved: default 2; zbv: 2)")
+                   help="pipeline stages a pp rank runs (none given: interleaved 2, zbv 2, the others 1)")
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "
@@ -671,7 +696,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--virtual-stages", type=int, default=None,
                    help="stages per rank (interleaved: default 2; zbv: 2; the others: 1)")
     s.add_argument("--costs", default="1,1,1", help="F,I,W: a stage's forward, input-gradient and weight-gradient "
-                                                     "times (a whole backward B is I + W)")
+                                                     "times (a whole backward B is I + W); a stage is 1/v of a rank's "
+                                                     "layers, so to compare schedules on one model divide by v")
     s.add_argument("--comm", type=float, default=0.0, help="time for a value to cross between ranks")
     s.add_argument("--activation-bytes", type=int, default=0, help="bytes of one stage's output per microbatch")
     s.add_argument("--comms", action="store_true", help="list the sends and receives in the table too")

@@ -132,9 +132,13 @@ def make_pipeline(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleKind,
     sched = make_schedule(schedule, p, microbatches, virtual=virtual)
     n_layers, stages = int(model.layers()), sched.stages
     if n_layers % stages:
+        fix = (f"ZB-V runs 2 stages a rank, so it needs layers divisible by {2 * p}: choose a model with more layers "
+               f"(e.g. --model tiny-deep), a smaller {axis}, or a schedule with one stage a rank (1f1b, zb-h1)"
+               if sched.kind is ScheduleKind.ZBV else
+               f"choose {axis} and --virtual-stages whose product divides {n_layers}, or a model with more layers")
         raise PipelineError(f"model {name} cannot be pipelined over {axis}={p}:", [
             f"its {n_layers} layers do not divide into {stages} stages ({p} ranks x {sched.virtual} stages each, "
-            f"{sched.name}); choose {axis} and --virtual-stages whose product divides {n_layers}"])
+            f"{sched.name}); {fix}"])
     per = n_layers // stages
     layers_of = tuple(tuple(range(k * per, (k + 1) * per)) for k in range(stages))
     uses = part_params(model, batch // microbatches)  # ("embed" | i | "head") -> parameter names

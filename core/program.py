@@ -314,7 +314,10 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
             program.micro  # noqa: B018 (checks the microbatch's shapes against the layouts)
         except ProgramError as e:
             raise ProgramError(f"strategy {strategy.name!r} cannot run this model on {mesh} with batch {batch} in "
-                               f"{microbatches} microbatches of {batch // microbatches}:", e.problems) from None
+                               f"{microbatches} microbatches of {batch // microbatches}:", list(e.problems) + [
+                                   f"a microbatch holds {batch // microbatches} of the batch's {batch} examples and "
+                                   f"must still split over the axes above: use fewer microbatches or a larger "
+                                   f"batch"]) from None
     return program
 
 

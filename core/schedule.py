@@ -278,9 +278,11 @@ def _zb_h1(p: int, m: int, s: int) -> tuple[Action, ...]:
 
 def _zbv(p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     """ZB-V by list scheduling on unit-time F, I and W: at each tick every rank runs, of what is
-    ready, an I (a stage waits for it), else its oldest W, else an F while it holds fewer than 2p
-    stage-microbatches between F and I (p of a 1F1B stage's size: 1F1B's peak). Among several
-    stages, the one nearer the loss first (its microbatch leaves memory sooner)."""
+    ready, an I (a stage waits for it), else its oldest W, else an F, this one only while fewer
+    than 2p of its (stage, microbatch) pairs have run F but not yet I. Among several stages, the
+    one nearer the loss first (its microbatch leaves memory sooner). Since W runs before any new
+    F, the pairs held from F to the end of W (``Simulation.peak_in_flight``) stay within 2p
+    chunks too: p microbatches of a 1F1B stage, 1F1B's peak (the tests check it)."""
     S = 2 * p
     rank_of = lambda s: s if s < p else S - 1 - s
     done: set[tuple[int, Op, int]] = set()
@@ -478,7 +480,8 @@ class Costs:
 @dataclass(frozen=True)
 class Simulation:
     """``timeline[r]``: (start, end, action) of every compute action rank r runs. ``idle[r]``:
-    makespan minus rank r's busy time; ``bubble``: the mean idle share of the makespan.
+    makespan minus rank r's busy time; ``bubble``: the mean idle share of the makespan (the
+    share of the ideal time, Megatron's measure for interleaving, is sum(idle) / sum(busy)).
     ``peak_in_flight[r]``: the most (stage, microbatch) pairs whose activations rank r holds at
     once (from F's start to the end of B, or of W); ``peak_activations[r]``: the same in units of
     one microbatch through p-th of the pipelined blocks (what a 1F1B stage holds per microbatch)."""

@@ -33,7 +33,7 @@ def test_schedule_zero_bubble_and_comms(capsys):
      "parlay: interleaved 1F1B takes microbatches in groups of p (Megatron's order): microbatches=6 is not a multiple "
      "of p=4. Use 4 or 8."),
     (["--pp", "2", "--microbatches", "2", "--schedule", "dualpipe"], "parlay: schedule 'dualpipe' is unknown"),
-    (["--pp", "0", "--microbatches", "2"], "parlay: ranks (the pp axis's size) must be a positive integer, got 0."),
+    (["--pp", "0", "--microbatches", "2"], "parlay: --pp 0 and --microbatches 2 must be positive"),
     (["--pp", "2", "--microbatches", "2", "--costs", "1,0,1"], "parlay: --costs '1,0,1': give three positive numbers"),
     (["--pp", "2", "--microbatches", "2", "--plot", "x.gif"], "parlay: --plot 'x.gif': the file name must end in one of"),
 ])
