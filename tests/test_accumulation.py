@@ -7,7 +7,7 @@ so the masks are the whole batch's. Checked on every backend (numpy, JAX explici
 torch on gloo ranks, the single-device references) under dp, zero2 and fsdp, k in {1, 2, 4}.
 
 Tolerances: the loss and gradients differ from k=1 by fp32 summation order only (measured
-<= 6e-7 of the largest gradient): 2e-6 relative. Parameters after two AdamW steps, per tensor
+<= 6e-7 of the largest gradient): 1e-6 relative, the issue's figure. Parameters after two AdamW steps, per tensor
 as ``parlay compare`` does: the L2 norm of the difference within 1e-3 of the distance moved
 (not per element: AdamW's first updates are about lr * g/(|g| + eps), so an element whose
 gradient is near eps moves by a different part of lr in either run; tests/test_pipeline.py
@@ -51,11 +51,11 @@ def _result(backend: str, strategy: str, mesh: Mesh, k: int):
 
 def _assert_same_step(got, want):
     (loss, grads, losses, params), (loss1, grads1, losses1, params1) = got, want
-    assert abs(loss - loss1) <= 2e-6 * abs(loss1)
+    assert abs(loss - loss1) <= 1e-6 * abs(loss1)
     scale = max(np.abs(g).max() for g in grads1.values())
     for name in grads1:
-        np.testing.assert_allclose(grads[name], grads1[name], rtol=0, atol=2e-6 * scale, err_msg=name)
-    np.testing.assert_allclose(losses, losses1, rtol=2e-6)
+        np.testing.assert_allclose(grads[name], grads1[name], rtol=0, atol=1e-6 * scale, err_msg=name)
+    np.testing.assert_allclose(losses, losses1, rtol=1e-6)
     start = MODEL.init(0)
     for name in params1:
         moved = np.linalg.norm(params1[name] - start[name])

@@ -106,6 +106,7 @@ def test_numpy_pipeline_equals_one_device(schedule, p, m, strategy, axes):
 JAX_CASES = [pytest.param(s, "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4,
                           marks=pytest.mark.slow if s in ("1f1b", "zbv", "interleaved") else pytest.mark.exhaustive)
              for s in SCHEDULES] + [
+    pytest.param(s, "pp+dp", dict(pp=2, dp=2), 4, 4, marks=pytest.mark.exhaustive) for s in SCHEDULES] + [
     pytest.param("interleaved", "pp+fsdp", dict(pp=4, dp=2), 4, 8, marks=pytest.mark.slow),
     pytest.param("zbv", "pp+fsdp", dict(pp=4, dp=2), 4, 8, marks=pytest.mark.exhaustive),
     pytest.param("zb-h1", "pp", dict(pp=4), 8, 8, marks=pytest.mark.exhaustive),
