@@ -79,10 +79,18 @@ class Pipeline:
     def params_of_rank(self, rank: int) -> frozenset:
         return frozenset().union(*(self.params_of_stage[s] for s in self.schedule.stages_of(rank)))
 
+    def __post_init__(self):
+        # Who holds each parameter, once: sessions ask for every parameter every step.
+        holders: dict = {}
+        for s, names in enumerate(self.params_of_stage):
+            for n in names:
+                holders.setdefault(n, set()).add(self.schedule.rank_of(s))
+        object.__setattr__(self, "_holders", {n: tuple(sorted(r)) for n, r in holders.items()})
+
     def ranks_of_param(self, name: str) -> tuple[int, ...]:
         """The pp ranks that hold (and update) parameter ``name``: one, or several where stages
         on several ranks use it (a tied embedding and LM head)."""
-        return tuple(sorted({self.schedule.rank_of(s) for s, names in enumerate(self.params_of_stage) if name in names}))
+        return self._holders[name]
 
     def rank_of_param(self, name: str) -> int:
         """The first pp rank that holds parameter ``name`` (where its checkpoint blocks come from)."""
@@ -92,8 +100,7 @@ class Pipeline:
     def shared_params(self) -> tuple[str, ...]:
         """Parameters held by more than one pp rank: their gradients are summed over those ranks
         (Megatron's embedding group), so every copy takes the same update."""
-        names = sorted(set().union(*self.params_of_stage))
-        return tuple(n for n in names if len(self.ranks_of_param(n)) > 1)
+        return tuple(sorted(n for n, ranks in self._holders.items() if len(ranks) > 1))
 
     def describe(self) -> str:
         sc = self.schedule

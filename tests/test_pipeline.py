@@ -148,22 +148,22 @@ def torch_pipeline_cases(rank, cases):
     return out if rank == 0 else None
 
 
+def _check_torch(cases, ranks: int) -> None:
+    """``cases`` in one spawn of ``ranks`` gloo ranks, each against the one-process torch run."""
+    results = spawn(torch_pipeline_cases, ranks, cases, timeout_s=900)[0]
+    for schedule, strategy, _, m, layers in cases:
+        _assert_same(results[(schedule, strategy, m)], _reference("torch-single", layers),
+                     f"{schedule} {strategy} m={m}", layers)
+
+
 @pytest.mark.slow
 def test_torch_pipeline_on_4_ranks_every_schedule():
-    cases = [(s, "pp+dp", dict(pp=2, dp=2), m, 4) for s in SCHEDULES for m in (2, 4)]
-    results = spawn(torch_pipeline_cases, 4, cases, timeout_s=600)[0]
-    ref = _reference("torch-single", 4)
-    for key, got in results.items():
-        _assert_same(got, ref, str(key), 4)
+    _check_torch([(s, "pp+dp", dict(pp=2, dp=2), m, 4) for s in SCHEDULES for m in (2, 4)], 4)
 
 
 @pytest.mark.exhaustive
 def test_torch_pipeline_on_4_stage_ranks_every_schedule():
-    cases = [(s, "pp", dict(pp=4), m, 8) for s in SCHEDULES for m in (4, 8)]
-    results = spawn(torch_pipeline_cases, 4, cases, timeout_s=900)[0]
-    ref = _reference("torch-single", 8)
-    for key, got in results.items():
-        _assert_same(got, ref, str(key), 8)
+    _check_torch([(s, "pp", dict(pp=4), m, 8) for s in SCHEDULES for m in (4, 8)], 4)
 
 
 @pytest.mark.slow
@@ -171,10 +171,7 @@ def test_torch_pipeline_on_8_ranks_with_dp_tp_fsdp_zero2():
     cases = [("1f1b", "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4), ("zbv", "pp+zero2+tp", dict(pp=2, dp=2, tp=2), 4, 4),
              ("interleaved", "pp+fsdp", dict(pp=4, dp=2), 4, 8), ("zb-h1", "pp+dp", dict(pp=4, dp=2), 8, 8),
              ("gpipe", "pp+tp_sp", dict(pp=4, tp=2), 4, 8)]
-    results = spawn(torch_pipeline_cases, 8, cases, timeout_s=600)[0]
-    for (schedule, strategy, axes, m, layers) in cases:
-        _assert_same(results[(schedule, strategy, m)], _reference("torch-single", layers), f"{schedule} {strategy}",
-                     layers)
+    _check_torch(cases, 8)
 
 
 def test_pipeline_assigns_stages_by_placement():

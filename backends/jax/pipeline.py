@@ -204,8 +204,7 @@ class JaxPipelineSession:
         sq = 0.0
         for r in range(self.pipe.ranks):
             mine = {k: g for k, g in grads[r].items() if self.pipe.rank_of_param(k) == r}
-            sq += float(jax.jit(lambda g: sum(jax.numpy.sum(jax.numpy.square(v)) for v in g.values()))(mine)) \
-                if mine else 0.0
+            sq += float(_sum_of_squares(mine)) if mine else 0.0
         norm = np.float32(np.sqrt(sq))
         scale = np.float32(1.0) if norm < cfg.clip else np.float32(cfg.clip) / norm
         lr = np.float32(cfg.lr_at(self.count))
@@ -224,11 +223,11 @@ class JaxPipelineSession:
         parts = microbatches(self.program, batch)
         total = 0.0
         for j, (arrays, rows) in enumerate(parts):
-            x = None
+            x, placed = None, {}
             for s in range(self.pipe.stages):
                 r = self.pipe.schedule.rank_of(s)
                 names, f = self._fn("F", r, s, training=False)
-                b = self._batch(r, arrays)
+                b = placed[r] = placed[r] if r in placed else self._batch(r, arrays)
                 x = f({k: self.pvals[r][k] for k in names}, self._to(r, x) if s else np.float32(0), b,
                       step_words(self.count), np.asarray(rows, np.int32))
             total += float(x) / len(parts)
@@ -295,6 +294,11 @@ class JaxPipelineSession:
     def emit(self, event) -> None:
         if self._emit is not None:
             self._emit(event)
+
+
+@jax.jit
+def _sum_of_squares(grads):
+    return sum(jax.numpy.sum(jax.numpy.square(g)) for g in grads.values())
 
 
 class _Stages:

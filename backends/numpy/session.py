@@ -203,6 +203,8 @@ class _NumpyStages:
         self.p = session.program.micro
         self.pipe = session.program.pipeline
         self.acc: dict[str, list] = {}
+        shape, self.x_dims = self.p.model.residual(self.p.batch)  # the value between stages
+        self.x_shape, self.x_layout = tuple(shape), self.p.activation(self.x_dims, shape)
 
     def forward(self, stage: int, mb: int, x):
         p, model = self.p, self.p.model
@@ -223,8 +225,7 @@ class _NumpyStages:
         if stage == self.pipe.stages - 1:
             loss = scalar_loss(ops, model.head(ops, params, x, sharded_inputs(p, arrays, place)))
             return float(ad.value(loss.values[0])), (loss.values, x_leaves, names, None)
-        shape, dims = model.residual(p.batch)
-        y = ops.constrain(x, dims)
+        y = ops.constrain(x, self.x_dims)
         sent = Sharded(PerRank([ad.value(v) for v in y.local.values]), y.layout, y.shape, y.varying)
         return sent, (y.local.values, x_leaves, names, y)
 
@@ -251,9 +252,7 @@ class _NumpyStages:
         if not n_x:
             return None
         dx = [np.zeros_like(ad.value(v)) if g is None else g for v, g in zip(x_leaves, grads[:n_x])]
-        shape, dims = self.p.model.residual(self.p.batch)
-        layout = self.p.activation(dims, shape)
-        return Sharded(PerRank(dx), layout, tuple(shape), frozenset(layout.spec.axes))
+        return Sharded(PerRank(dx), self.x_layout, self.x_shape, frozenset(self.x_layout.spec.axes))
 
 
 def _assemble(blocks, layout: Layout, name: str) -> np.ndarray:

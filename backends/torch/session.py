@@ -404,8 +404,9 @@ class TorchSession:
         pipe, lay = self.program.pipeline, self.program.layouts
         sharded = self.grad_sync.sharded if self.grad_sync is not None else {}
         group = self.tm.group((pipe.axis,))[0]
+        sharded_names = self._sharded_grads()
         for k in pipe.shared_params:
-            into_sharded = k in self._sharded_grads()
+            into_sharded = k in sharded_names
             layout = lay[Role.GRADS][k] if into_sharded else lay[Role.PARAMS][k]
             if k in self.local:
                 g, held_in = self.grads()[k]
