@@ -185,13 +185,13 @@ def _cmd_schedule(args: argparse.Namespace, console: Console) -> int:
 
 
 def _backend_name(args) -> str:
-    """torch, numpy, or jax in --mode explicit (default) or gspmd: a registry name."""
+    """torch, numpy, or jax in --mode explicit (default), gspmd or mpmd: a registry name."""
     if args.backend != "jax":
         if args.mode is not None:
             raise UsageError(f"--mode {args.mode} chooses JAX's execution mode; it does nothing with --backend "
                              f"{args.backend}")
         return args.backend
-    return "jax-gspmd" if args.mode == "gspmd" else "jax"
+    return {"gspmd": "jax-gspmd", "mpmd": "jax-mpmd"}.get(args.mode, "jax")
 
 
 def _check_counts(args) -> None:
@@ -330,12 +330,13 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
     mesh = parse_mesh(args.mesh)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in backends if b not in BACKENDS]
+    known = BACKENDS + ("jax-mpmd",)
+    bad = [b for b in backends if b not in known]
     if len(set(backends)) < len(backends):
         raise UsageError(f"--backends {args.backends!r} names a backend twice")
     if bad or not backends:
         raise UsageError(f"--backends {args.backends!r}: {bad[0] if bad else 'none given'} is not a backend; choose from "
-                         f"{','.join(BACKENDS)}")
+                         f"{','.join(known)}")
     if mesh.size > 8:
         raise UsageError(f"--mesh {args.mesh!r} has {mesh.size} ranks; compare runs every backend on this machine, at "
                          f"most 8")
@@ -592,8 +593,10 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
 def _add_backend_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("torch", "jax", "numpy"), default="torch",
                    help="torch: one gloo process per rank; jax: this process's host devices; numpy: the simulator")
-    p.add_argument("--mode", choices=("explicit", "gspmd"), default=None,
-                   help="jax: shard_map on parlay's plans (explicit, the default) or jit with shardings (gspmd)")
+    p.add_argument("--mode", choices=("explicit", "gspmd", "mpmd"), default=None,
+                   help="jax: shard_map on parlay's plans (explicit, the default; a pipeline is one compiled tick "
+                        "loop), jit with shardings (gspmd), or explicit with a pipeline's stages as one program "
+                        "each, driven from Python (mpmd)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -634,7 +637,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "tolerance, and name where it parts.",
     )
     _add_run_flags(c, steps=5, batch=8, mesh="dp=2,tp=2", strategy="dp+tp")
-    c.add_argument("--backends", default="torch,jax,jax-gspmd,numpy", help="which to run against the reference")
+    c.add_argument("--backends", default="torch,jax,jax-gspmd,numpy",
+                   help="which to run against the reference (also jax-mpmd: explicit mode with a pipeline's stages "
+                        "as separate programs)")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")
     c.add_argument("--plot", default="out/compare.png", help="write the PNG plot here ('' for none)")
     c.add_argument("--drop-all-reduce", default=None, metavar="LAYER",

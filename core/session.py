@@ -78,6 +78,8 @@ _REGISTRY: dict[str, tuple[str, str, dict]] = {
     "torch": ("parlay.backends.torch.session", "TorchBackend", {}),
     "jax": ("parlay.backends.jax.session", "JaxBackend", {"mode": "explicit"}),
     "jax-gspmd": ("parlay.backends.jax.session", "JaxBackend", {"mode": "gspmd"}),
+    # explicit mode, a pipeline as one jitted program per stage driven from Python (any stage shapes)
+    "jax-mpmd": ("parlay.backends.jax.session", "JaxBackend", {"mode": "explicit", "pipeline": "mpmd"}),
     "numpy": ("parlay.backends.numpy.session", "NumpyBackend", {}),
     # one device, no sharding: the references
     "jax-single": ("parlay.backends.jax.session", "JaxBackend", {"mode": "single"}),

@@ -41,7 +41,7 @@ from .distributed import fetch, put
 from .mesh import AtomMesh, lower_layout, lower_mesh
 from .ops import JaxLocal
 
-__all__ = ["JaxPipelineSession"]
+__all__ = ["JaxPipelineSession", "pipeline_checkpoint"]
 
 
 class JaxPipelineSession:
@@ -253,24 +253,11 @@ class JaxPipelineSession:
         return mu, nu
 
     def checkpoint_tensors(self):
-        """The full mesh's pieces: a stage's parameters and moments by the ranks of their first pp holder."""
-        lay, shapes, mesh = self.program.layouts, self.program.shapes, self.program.mesh
         values = {f"params/{k}": v for k, v in self.params().items()}
         mu, nu = self._moments()
         values.update({f"opt/mu/{k}": v for k, v in mu.items()})
         values.update({f"opt/nu/{k}": v for k, v in nu.items()})
-        named = [(f"params/{k}", lay[Role.PARAMS][k]) for k in shapes]
-        named += [(f"opt/{kind}/{k}", lay[Role.OPTIMIZER][k]) for k in shapes for kind in ("mu", "nu")]
-        tensors, blocks = [], {}
-        for name, layout in named:
-            k = name.rsplit("/", 1)[1]
-            holders = {r for r in range(mesh.size) if mesh.coord(r, self.pipe.axis) == self.pipe.rank_of_param(k)}
-            tensors.append((name, tuple(shapes[k]), str(layout), pieces_of(name, layout, shapes[k], holders)))
-            slices = layout.shard_slices(tuple(shapes[k]))
-            for r in holders:
-                for piece in owned_blocks(name, layout, shapes[k], r, holders):
-                    blocks.setdefault(rank_file(r), {})[piece.key] = np.ascontiguousarray(values[name][slices[r]])
-        return tensors, blocks, self.count
+        return pipeline_checkpoint(self.program, values) + (self.count,)
 
     def restore(self, ckpt, params_only: bool = False) -> None:
         shapes = self.program.shapes
@@ -294,6 +281,24 @@ class JaxPipelineSession:
     def emit(self, event) -> None:
         if self._emit is not None:
             self._emit(event)
+
+
+def pipeline_checkpoint(program: Program, values: Mapping[str, np.ndarray]) -> tuple[list, dict]:
+    """(tensors, blocks) of a pipelined run's checkpoint from the global ``values`` of its params and
+    moments: each parameter's blocks (and its moments') written by the ranks of its first pp holder."""
+    lay, shapes, mesh, pipe = program.layouts, program.shapes, program.mesh, program.pipeline
+    named = [(f"params/{k}", lay[Role.PARAMS][k]) for k in shapes]
+    named += [(f"opt/{kind}/{k}", lay[Role.OPTIMIZER][k]) for k in shapes for kind in ("mu", "nu")]
+    tensors, blocks = [], {}
+    for name, layout in named:
+        k = name.rsplit("/", 1)[1]
+        holders = {r for r in range(mesh.size) if mesh.coord(r, pipe.axis) == pipe.rank_of_param(k)}
+        tensors.append((name, tuple(shapes[k]), str(layout), pieces_of(name, layout, shapes[k], holders)))
+        slices = layout.shard_slices(tuple(shapes[k]))
+        for r in holders:
+            for piece in owned_blocks(name, layout, shapes[k], r, holders):
+                blocks.setdefault(rank_file(r), {})[piece.key] = np.ascontiguousarray(values[name][slices[r]])
+    return tensors, blocks
 
 
 @jax.jit

@@ -63,8 +63,12 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 
 class JaxBackend:
-    def __init__(self, name: str = "jax", mode: str = "explicit"):
-        self.name, self.mode = name, Mode(mode)
+    """``pipeline``: how explicit mode runs a pipelined program: ``loop`` (one compiled step, a
+    tick loop inside ``shard_map``: backends/jax/ticks.py) or ``mpmd`` (a jitted program per stage
+    driven from Python: backends/jax/pipeline.py, which GSPMD mode always uses)."""
+
+    def __init__(self, name: str = "jax", mode: str = "explicit", pipeline: str = "loop"):
+        self.name, self.mode, self.pipeline = name, Mode(mode), pipeline
 
     def prepare(self, mesh) -> None:
         n = 1 if self.mode is Mode.SINGLE else mesh.size
@@ -75,13 +79,17 @@ class JaxBackend:
     def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
             timeout_s: float = 600.0):
         self.prepare(program.mesh)
+        params = program.init(seed) if params is None else params
+        if program.pipeline is not None and self.mode is Mode.EXPLICIT and self.pipeline == "loop":
+            from .ticks import JaxLoopSession
+
+            return fn(JaxLoopSession(program, params, seed=seed, emit=on_event), *args)
         if program.pipeline is not None and self.mode is not Mode.SINGLE:
             from .pipeline import JaxPipelineSession
 
-            return fn(JaxPipelineSession(program, program.init(seed) if params is None else params, seed=seed,
-                                         emit=on_event, gspmd=self.mode is Mode.GSPMD), *args)
-        session = JaxSession(program, self.mode, program.init(seed) if params is None else params, seed=seed,
-                             emit=on_event)
+            return fn(JaxPipelineSession(program, params, seed=seed, emit=on_event, gspmd=self.mode is Mode.GSPMD),
+                      *args)
+        session = JaxSession(program, self.mode, params, seed=seed, emit=on_event)
         return fn(session, *args)
 
 
