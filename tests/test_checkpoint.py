@@ -317,3 +317,17 @@ def test_a_pipelined_torch_checkpoint_resumes_without_pp_and_the_reverse(tmp_pat
         ["--backend", "numpy", "--mesh", "dp=2", "--strategy", "zero2"],
         ["--backend", "torch", "--mesh", "pp=2,dp=2", "--strategy", "pp+zero2", "--microbatches", "2",
          "--schedule", "zb-h1"])
+
+
+@pytest.mark.slow
+def test_a_pipelined_jax_checkpoint_resumes_without_pp_and_the_reverse(tmp_path):
+    # The tick loop holds its stages' parameters stacked over pp; the checkpoint holds them by name.
+    _resume_equals_uninterrupted(
+        tmp_path / "a",
+        ["--backend", "jax", "--mesh", "pp=2,dp=2,tp=2", "--strategy", "pp+dp+tp", "--microbatches", "2"],
+        ["--backend", "jax", "--mesh", "dp=2,tp=2", "--strategy", "zero2+tp"])
+    _resume_equals_uninterrupted(
+        tmp_path / "b",
+        ["--backend", "jax", "--mesh", "dp=4", "--strategy", "fsdp"],
+        ["--backend", "jax", "--mesh", "pp=2,dp=2", "--strategy", "pp+zero2", "--microbatches", "4",
+         "--schedule", "zb-h1"])

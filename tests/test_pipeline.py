@@ -1,6 +1,6 @@
 """Pipeline parallelism: every schedule, p in {2, 4}, m in {p, 2p}, alone and with dp/tp/fsdp/zero2
-beside it, on the numpy simulator, on torch gloo ranks and on JAX (explicit: a shard_map per stage on
-its pp rank's devices), against the one-device run.
+beside it, on the numpy simulator, on torch gloo ranks and on JAX (explicit: one compiled tick loop in
+shard_map; mpmd: a shard_map per stage on its pp rank's devices; GSPMD), against the one-device run.
 
 The GPT (tiny sizes, dropout 0.1 on: the masks are keyed by the batch's rows, so every
 microbatch draws the whole batch's bits) with 4 layers for p=2 and 8 for p=4 (interleaved and
@@ -100,9 +100,10 @@ def test_numpy_pipeline_equals_one_device(schedule, p, m, strategy, axes):
     _assert_same(got, _reference("numpy-single", layers), f"{schedule} p={p} m={m} {strategy}", layers)
 
 
-# Each stage compiles (F, and B or I and W, per pp rank): seconds a case here. 1f1b (B), zbv (I and
-# W, the V's local turn) and interleaved (the loop's wrap from the last rank to the first) cover
-# the lowering's paths by default; the rest with the exhaustive checks.
+# One compiled step a case (a branch per stage and action): seconds here. 1f1b (B), zbv (I and W,
+# the V's local turn) and interleaved (the wrap from the last rank to the first) cover the
+# lowering's paths by default; the rest with the exhaustive checks. The loop's buffers start as
+# NaN, so a slot read before its value arrived would poison the loss.
 JAX_CASES = [pytest.param(s, "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4,
                           marks=pytest.mark.slow if s in ("1f1b", "zbv", "interleaved") else pytest.mark.exhaustive)
              for s in SCHEDULES] + [
@@ -117,11 +118,136 @@ JAX_CASES = [pytest.param(s, "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4,
 
 @pytest.mark.parametrize("schedule, strategy, axes, m, layers", JAX_CASES)
 def test_jax_pipeline_equals_one_device(schedule, strategy, axes, m, layers):
-    # JAX explicit: each stage a jitted shard_map on its pp rank's sub-mesh, driven by run_pipeline.
+    # JAX explicit: the whole step one jitted shard_map, a tick loop over the schedule's table.
     model = _model(layers)
     program = make_program(model, strategy, Mesh(**axes), batch=B, microbatches=m, schedule=schedule)
     got = get_backend("jax").run(program, _run, _batch(model))
     _assert_same(got, _reference("jax-single", layers), f"jax {schedule} {strategy} m={m}", layers)
+
+
+@pytest.mark.parametrize("schedule, strategy, axes, m, layers", [
+    pytest.param("1f1b", "pp+dp+tp", dict(pp=2, dp=2, tp=2), 4, 4, marks=pytest.mark.slow),
+    pytest.param("zbv", "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4, marks=pytest.mark.exhaustive),
+    pytest.param("interleaved", "pp+fsdp", dict(pp=4, dp=2), 4, 8, marks=pytest.mark.exhaustive)])
+def test_jax_mpmd_pipeline_equals_one_device(schedule, strategy, axes, m, layers):
+    # --mode mpmd: each stage a jitted shard_map on its pp rank's sub-mesh, driven by run_pipeline.
+    model = _model(layers)
+    program = make_program(model, strategy, Mesh(**axes), batch=B, microbatches=m, schedule=schedule)
+    got = get_backend("jax-mpmd").run(program, _run, _batch(model))
+    _assert_same(got, _reference("jax-single", layers), f"jax-mpmd {schedule} {strategy} m={m}", layers)
+
+
+def _loss_with_table(session, batch, edit):
+    """The loop's loss after ``edit(table)`` changed its (numpy) table of ticks."""
+    from parlay.backends.jax.distributed import put
+
+    plan = session.train_plan
+    table = plan.table.copy()
+    edit(table)
+    session.tables[id(plan)] = put(table, session.tables[id(plan)].sharding)
+    return session.loss_and_grads(batch)[0]
+
+
+def test_the_jax_loop_poisons_a_value_read_before_it_arrived():
+    # The same step with rank 1 never receiving stage 0's outputs: its slots still hold NaN.
+    from parlay.core.ticks import FIELDS, NONE
+
+    model = _model(2)
+    program = make_program(model, "pp", Mesh(pp=2), batch=B, microbatches=2, schedule="1f1b")
+    cols = slice(len(FIELDS), None, 2)
+    good = get_backend("jax").run(program, _loss_with_table, _batch(model), lambda t: None)
+    bad = get_backend("jax").run(program, _loss_with_table, _batch(model), lambda t: t[1, :, cols].fill(NONE))
+    assert np.isfinite(good) and np.isnan(bad), (good, bad)
+
+
+class Widening:
+    """A pipelined model whose layer i has an MLP of width 8 (i + 1): its stages' parameters differ."""
+
+    def __init__(self, layers=4, dim=8, vocab=16, seq=4):
+        self.n, self.dim, self.vocab, self.seq = layers, dim, vocab, seq
+
+    def decls(self):
+        from parlay.core import ParamDecl
+
+        out = [ParamDecl("embed", (self.vocab, self.dim), ("vocab", "embed"))]
+        for i in range(self.n):
+            out += [ParamDecl(f"up.{i}", (self.dim, 8 * (i + 1)), ("embed", "mlp")),
+                    ParamDecl(f"down.{i}", (8 * (i + 1), self.dim), ("mlp", "embed"))]
+        return tuple(out)
+
+    def inputs(self, batch):
+        from parlay.core import DType, InputDecl
+
+        return {"tokens": InputDecl((batch, self.seq), ("batch", "seq"), DType.INT32, high=self.vocab)}
+
+    def init(self, seed):
+        rng = np.random.default_rng(seed)
+        return {d.name: rng.normal(0, 0.1, d.shape).astype(np.float32) for d in self.decls()}
+
+    def layers(self):
+        return self.n
+
+    def residual(self, batch):
+        return (batch, self.seq, self.dim), ("batch", "seq", "embed")
+
+    def embed(self, ops, params, batch):
+        return ops.embed(ops.param("embed", params["embed"], ("vocab", "embed")), batch["tokens"])
+
+    def layer(self, ops, params, i, x):
+        up = ops.param(f"up.{i}", params[f"up.{i}"], ("embed", "mlp"))
+        down = ops.param(f"down.{i}", params[f"down.{i}"], ("mlp", "embed"))
+        return ops.add(x, ops.einsum("bsm,me->bse", ops.gelu(ops.einsum("bse,em->bsm", x, up)), down))
+
+    def head(self, ops, params, x, batch):
+        return ops.cross_entropy(ops.einsum("bse,ve->bsv", x, ops.param("embed", params["embed"], ("vocab", "embed"))),
+                                 batch["tokens"])
+
+    def loss(self, ops, params, batch):
+        x = self.embed(ops, params, batch)
+        for i in range(self.n):
+            x = self.layer(ops, params, i, x)
+        return self.head(ops, params, x, batch)
+
+
+def test_the_jax_loop_refuses_stages_of_other_shapes_and_mpmd_runs_them():
+    model = Widening()
+    program = make_program(model, "pp", Mesh(pp=2), batch=8, microbatches=2, schedule="1f1b")
+    batch = {"tokens": np.random.default_rng(0).integers(0, 16, (8, 4)).astype(np.int32)}
+    with pytest.raises(PipelineError, match=r"(?s)stacks stage s's parameters on stage 0's; Widening's stages differ "
+                                            r"\(run it with --mode mpmd, backend jax-mpmd.*stage 1's up.2 has shape \(8, 24\), "
+                                            r"stage 0's up.0 \(8, 8\)"):
+        get_backend("jax").run(program, lambda s, b: s.loss_and_grads(b), batch)
+    loss, grads = get_backend("jax-mpmd").run(program, lambda s, b: s.loss_and_grads(b), batch)
+    ref_loss, ref_grads = get_backend("jax-single").run(make_program(model, "dp", Mesh(dp=1), batch=8),
+                                                        lambda s, b: s.loss_and_grads(b), batch)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for k in ref_grads:
+        np.testing.assert_allclose(grads[k], ref_grads[k], rtol=0, atol=1e-5 * np.abs(ref_grads[k]).max())
+
+
+def _temp_bytes(session, batch):
+    plan = session.train_plan
+    return session.compiled_step(batch).memory_analysis().temp_size_in_bytes, plan.x_slots + plan.dy_slots
+
+
+@pytest.mark.slow
+def test_the_jax_loop_holds_what_the_schedule_holds():
+    # XLA's own account of the compiled step: doubling m adds GPipe's m stage inputs (one slot each)
+    # and leaves 1F1B's where they were. 2% of the growth allows for alignment.
+    model = _model(2)
+    x_bytes = (B // 4) * model.config.seq * model.config.embed * 4  # a stage input of m=4's microbatches
+    temp = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (4, 8):
+            program = make_program(model, "pp", Mesh(pp=2), batch=m * (B // 4), microbatches=m, schedule=schedule)
+            rng = np.random.default_rng(0)
+            batch = {k: rng.integers(0, model.config.vocab, (m * B // 4, model.config.seq)).astype(np.int32)
+                     for k in ("tokens", "targets")}
+            temp[(schedule, m)] = get_backend("jax").run(program, _temp_bytes, batch)
+    (g4, s4), (g8, s8) = temp[("gpipe", 4)], temp[("gpipe", 8)]
+    assert s8 - s4 == 4
+    assert abs((g8 - g4) - 4 * x_bytes) <= 0.02 * 4 * x_bytes, (g8 - g4, x_bytes)
+    assert temp[("1f1b", 8)] == temp[("1f1b", 4)], temp
 
 
 @pytest.mark.slow

@@ -95,8 +95,8 @@ def stacking(program: Program, sub: Program) -> Stacking:
     if problems:
         raise PipelineError(
             f"the JAX tick loop runs every pp rank's stages as one program, so it stacks stage s's parameters "
-            f"on stage 0's; {type(model).__name__}'s stages differ (run it with --backend jax-mpmd, one program "
-            f"per stage):", problems)
+            f"on stage 0's; {type(model).__name__}'s stages differ (run it with --mode mpmd, backend jax-mpmd: one "
+            f"program per stage):", problems)
     stacked = {n for ns in names for n in ns}
     where = tuple((sc.rank_of(s), sc.stages_of(sc.rank_of(s)).index(s)) for s in range(pipe.stages))
     return Stacking(names, where, tuple(n for n in order if n not in stacked), sc.ranks, sc.virtual)
