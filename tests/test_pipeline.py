@@ -125,6 +125,15 @@ def test_jax_pipeline_equals_one_device(schedule, strategy, axes, m, layers):
     _assert_same(got, _reference("jax-single", layers), f"jax {schedule} {strategy} m={m}", layers)
 
 
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("schedule, p, m, strategy, axes", list(_cases()),
+                         ids=[f"{s}-p{p}-m{m}-{st}" for s, p, m, st, _ in _cases()])
+def test_jax_pipeline_every_schedule_p_and_m(schedule, p, m, strategy, axes):
+    # The whole matrix on the JAX loop: every schedule, p in {2, 4}, m in {p, 2p}, alone
+    # and with dp+tp (p=2) or fsdp (p=4) beside it.
+    test_jax_pipeline_equals_one_device(schedule, strategy, axes, m, 4 * p // 2)
+
+
 @pytest.mark.parametrize("schedule, strategy, axes, m, layers", [
     pytest.param("1f1b", "pp+dp+tp", dict(pp=2, dp=2, tp=2), 4, 4, marks=pytest.mark.slow),
     pytest.param("zbv", "pp+dp+tp", dict(pp=2, dp=2, tp=2), 2, 4, marks=pytest.mark.exhaustive),
