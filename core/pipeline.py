@@ -29,7 +29,7 @@ from .mesh import Mesh
 from .ops import Ops
 from .schedule import Action, Op, Schedule, ScheduleError, ScheduleKind, make_schedule
 
-__all__ = ["PipelineModel", "Pipeline", "PipelineError", "make_pipeline", "pipeline_axis", "run_pipeline",
+__all__ = ["PipelineModel", "Pipeline", "PipelineError", "make_pipeline", "pipeline_problems", "pipeline_axis", "run_pipeline",
            "StageRunner", "Transport", "Mailbox", "LAYERS"]
 
 LAYERS = "layers"  # the logical dim of a model's repeated layers
@@ -122,30 +122,50 @@ def pipeline_axis(strategy) -> str | None:
     return next(iter(axes))[0]
 
 
+def pipeline_problems(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleKind, microbatches: int,
+                      virtual: int | None = None) -> list[str]:
+    """Every reason ``model`` cannot be pipelined over ``mesh``'s ``axis`` under ``schedule`` (the
+    schedule's and the layers' both, so one error lists them all)."""
+    missing = [m for m in ("layers", "residual", "embed", "layer", "head") if not callable(getattr(model, m, None))]
+    if missing:
+        return [f"it lacks {', '.join(f'{m}()' for m in missing)}; a pipelined model splits its loss into embed(ops, "
+                f"params, batch), layer(ops, params, i, x) for i < layers() and head(ops, params, x, batch), with "
+                f"residual(batch) the (shape, dims) of x (see parlay.core.pipeline.PipelineModel)"]
+    p = mesh.axis_size(axis)
+    try:
+        sched = make_schedule(schedule, p, microbatches, virtual=virtual)
+        kind, v, problems = sched.kind, sched.virtual, []
+    except ScheduleError as e:
+        try:
+            kind = ScheduleKind(str(getattr(schedule, "value", schedule)).lower())
+        except ValueError:
+            return [str(e)]  # an unknown schedule: nothing more to check
+        v = virtual if isinstance(virtual, int) and virtual > 0 else \
+            {ScheduleKind.INTERLEAVED: 2, ScheduleKind.ZBV: 2}.get(kind, 1)
+        problems = [str(e)]
+    n_layers = int(model.layers())
+    if n_layers % (p * v):
+        fix = (f"ZB-V runs 2 stages a rank, so it needs layers divisible by {2 * p}: choose a model with more layers "
+               f"(e.g. --model tiny-deep), a smaller {axis}, or a schedule with one stage a rank (1f1b, zb-h1)"
+               if kind is ScheduleKind.ZBV else
+               f"choose {axis} and --virtual-stages whose product divides {n_layers}, or a model with more layers")
+        problems.append(f"its {n_layers} layers do not divide into {p * v} stages ({p} ranks x {v} stages each, "
+                        f"{kind.value}); {fix}")
+    return problems
+
+
 def make_pipeline(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleKind, microbatches: int,
                   virtual: int | None = None, batch: int) -> Pipeline:
     """The stages of ``model`` on ``mesh``'s ``axis`` under ``schedule`` (checked: one
-    ``PipelineError`` or ``ScheduleError`` listing what is wrong and how to fix it)."""
+    ``PipelineError`` listing what is wrong and how to fix it)."""
     from .shapes import part_params
 
-    name = type(model).__name__
-    missing = [m for m in ("layers", "residual", "embed", "layer", "head") if not callable(getattr(model, m, None))]
-    if missing:
-        raise PipelineError(f"model {name} cannot be pipelined over {axis!r}:", [
-            f"it lacks {', '.join(f'{m}()' for m in missing)}; a pipelined model splits its loss into embed(ops, "
-            f"params, batch), layer(ops, params, i, x) for i < layers() and head(ops, params, x, batch), with "
-            f"residual(batch) the (shape, dims) of x (see parlay.core.pipeline.PipelineModel)"])
-    p = mesh.axis_size(axis)
-    sched = make_schedule(schedule, p, microbatches, virtual=virtual)
+    problems = pipeline_problems(model, mesh, axis, schedule=schedule, microbatches=microbatches, virtual=virtual)
+    if problems:
+        raise PipelineError(f"model {type(model).__name__} cannot be pipelined over {axis}={mesh.axis_size(axis)}:",
+                            problems)
+    sched = make_schedule(schedule, mesh.axis_size(axis), microbatches, virtual=virtual)
     n_layers, stages = int(model.layers()), sched.stages
-    if n_layers % stages:
-        fix = (f"ZB-V runs 2 stages a rank, so it needs layers divisible by {2 * p}: choose a model with more layers "
-               f"(e.g. --model tiny-deep), a smaller {axis}, or a schedule with one stage a rank (1f1b, zb-h1)"
-               if sched.kind is ScheduleKind.ZBV else
-               f"choose {axis} and --virtual-stages whose product divides {n_layers}, or a model with more layers")
-        raise PipelineError(f"model {name} cannot be pipelined over {axis}={p}:", [
-            f"its {n_layers} layers do not divide into {stages} stages ({p} ranks x {sched.virtual} stages each, "
-            f"{sched.name}); {fix}"])
     per = n_layers // stages
     layers_of = tuple(tuple(range(k * per, (k + 1) * per)) for k in range(stages))
     uses = part_params(model, batch // microbatches)  # ("embed" | i | "head") -> parameter names

@@ -19,7 +19,7 @@ from .executor import Fault
 from .layers import ParamDecl
 from .mesh import Mesh
 from .model import InputDecl, Model, check_model, model_init
-from .pipeline import LAYERS, Pipeline, make_pipeline, pipeline_axis
+from .pipeline import LAYERS, Pipeline, PipelineError, make_pipeline, pipeline_axis, pipeline_problems
 from .optim import OptimizerConfig
 from .rules import RuleError, Rules
 from .shapes import Trace, trace
@@ -195,11 +195,10 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         raise ValueError(f"batch={batch!r} must be a positive int.")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches={microbatches!r} must be a positive int.")
-    if batch % microbatches:
-        raise ProgramError(f"batch {batch} cannot be cut into {microbatches} microbatches:", [
-            f"a step's batch is split into equal microbatches; {batch} is not divisible by {microbatches}: use a batch "
-            f"of {batch - batch % microbatches or microbatches} or {batch - batch % microbatches + microbatches}, or "
-            f"a microbatch count that divides {batch}"])
+    cut = [] if not batch % microbatches else [
+        f"a step's batch is split into equal microbatches; {batch} is not divisible by {microbatches}: use a batch "
+        f"of {batch - batch % microbatches or microbatches} or {batch - batch % microbatches + microbatches}, or a "
+        f"microbatch count that divides {batch}"]
     headline = f"strategy {strategy.name!r} cannot run this model on {mesh} with batch {batch}:"
     problems = _Problems(mesh, strategy)
     missing = [a for a in strategy.axes if not mesh.has_axis(a)]
@@ -207,6 +206,15 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         raise ProgramError(headline, [f"strategy {strategy.name!r} uses mesh axes {list(strategy.axes)} but {mesh} "
                                       f"lacks {missing}; e.g. --mesh " + ",".join(f"{a}=2" for a in strategy.axes)])
     pp_axis = pipeline_axis(strategy)
+    if pp_axis is not None and not _stage:  # the batch's, the schedule's and the layers' problems at once
+        staged = pipeline_problems(model, mesh, pp_axis, schedule=schedule or "1f1b", microbatches=microbatches,
+                                   virtual=virtual)
+        if cut or staged:
+            raise PipelineError(f"model {type(model).__name__} cannot be pipelined over {pp_axis}="
+                                f"{mesh.axis_size(pp_axis)} with batch {batch} in {microbatches} microbatches:",
+                                cut + staged)
+    if cut:
+        raise ProgramError(f"batch {batch} cannot be cut into {microbatches} microbatches:", cut)
     if schedule is not None and pp_axis is None and not _stage:
         raise ProgramError(headline, [f"schedule {getattr(schedule, 'value', schedule)!r} needs a pipeline: map the "
                                       f"model's layers to a mesh axis (add the strategy 'pp', e.g. --strategy pp+dp "

@@ -326,7 +326,11 @@ def test_pipeline_assigns_stages_by_placement():
     (dict(model=_model(4), mesh=Mesh(pp=2), microbatches=3, schedule="interleaved", batch=12),
      r"microbatches=3 is not a multiple of p=2"),
     (dict(model=_model(4), mesh=Mesh(pp=2), microbatches=3, schedule="1f1b"),
-     r"batch 16 cannot be cut into 3 microbatches"),
+     r"batch 16 in 3 microbatches:\n  - a step's batch is split into equal microbatches; 16 is not divisible by 3"),
+    # every problem at once: the batch's cut, the schedule's microbatches and the layers
+    (dict(model=_model(2), mesh=Mesh(pp=4), microbatches=3, schedule="interleaved", batch=8),
+     r"cannot be pipelined over pp=4 with batch 8 in 3 microbatches:\n  - .*8 is not divisible by 3.*\n  - "
+     r"interleaved 1F1B needs at least p=4 microbatches.*\n  - its 2 layers do not divide into 8 stages"),
     (dict(model=_model(4), mesh=Mesh(pp=2), microbatches=2, schedule="dualpipe"), r"schedule 'dualpipe' is unknown"),
 ])
 def test_pipeline_refuses_clearly(kwargs, match):
@@ -355,7 +359,8 @@ def test_a_model_without_stages_is_refused():
             return ops.cross_entropy(ops.einsum("bf,fc->bc", batch["x"], ops.param("w", params["w"], ("feat", "cls"))),
                                      batch["y"])
 
-    with pytest.raises(PipelineError, match=r"model Classifier cannot be pipelined over 'pp':\n  - it lacks layers\(\), "
+    with pytest.raises(PipelineError, match=r"model Classifier cannot be pipelined over pp=2 with batch 8 in 2 "
+                                            r"microbatches:\n  - it lacks layers\(\), "
                                             r"residual\(\), embed\(\), layer\(\), head\(\)"):
         make_program(Classifier(), "pp+dp", Mesh(pp=2, dp=2), batch=8, microbatches=2)
 
