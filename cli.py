@@ -22,6 +22,7 @@ from .core import Layout, Mesh, P, Plan, plan_redistribute
 from .core.models.gpt import PRESETS
 from .core.rules import RuleError
 from .core.pipeline import PipelineError
+from .core.remat import REMATS
 from .core.schedule import SCHEDULES, ScheduleError
 
 __all__ = ["main"]
@@ -246,19 +247,22 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
         get_backend(name).prepare(mesh)
     program = program_from(args.model, args.strategy, mesh, batch=args.batch,
                            optimizer=extra.get("optimizer", OptimizerConfig()), microbatches=args.microbatches,
-                           schedule=args.schedule, virtual=args.virtual_stages)
+                           schedule=args.schedule, virtual=args.virtual_stages, remat=args.remat)
     check_memory(program, batches=1 + getattr(args, "eval_batches", 0),
                  processes=mesh.size if "torch" in backends else 1)
     return program
 
 
 def run_label(program) -> str:
-    """The strategy, with the pipeline's schedule and the microbatches where there are any."""
+    """The strategy, with the pipeline's schedule, the microbatches and the remat policy where set."""
+    notes = []
     if program.pipeline is not None:
-        return f"{program.strategy.name} ({program.pipeline.schedule.name}, {program.microbatches} microbatches)"
+        notes.append(program.pipeline.schedule.name)
     if program.microbatches > 1:
-        return f"{program.strategy.name} ({program.microbatches} microbatches)"
-    return program.strategy.name
+        notes.append(f"{program.microbatches} microbatches")
+    if program.remat.value != "none":
+        notes.append(f"remat {program.remat.value}")
+    return program.strategy.name + (f" ({', '.join(notes)})" if notes else "")
 
 
 def note_pipeline(program, console: Console) -> None:
@@ -436,7 +440,7 @@ def _train_spec(args, mesh: Mesh, backend: str):
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
     return TrainSpec(backend=backend, strategy=args.strategy, mesh=tuple(mesh.axes), model=args.model,
                      steps=args.steps, batch=args.batch, microbatches=args.microbatches, schedule=args.schedule,
-                     virtual_stages=args.virtual_stages, seed=args.seed,
+                     virtual_stages=args.virtual_stages, remat=args.remat, seed=args.seed,
                      optimizer=optimizer,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -584,6 +588,10 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
                    help="the pipeline schedule, with the pp strategy (none given: 1f1b); see parlay schedule")
     p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="pipeline stages a pp rank runs (none given: interleaved 2, zbv 2, the others 1)")
+    p.add_argument("--remat", default="none", choices=REMATS,
+                   help="activation checkpointing of each repeated layer: keep every value (none), keep only the "
+                        "layer's input and recompute the rest in the backward (block), or keep its input and "
+                        "attention output (selective)")
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "

@@ -40,6 +40,7 @@ class TrainSpec:
     microbatches: int = 1  # gradient accumulation: each step's batch as this many microbatches
     schedule: str | None = None  # the pipeline schedule, with the pp strategy
     virtual_stages: int | None = None
+    remat: str = "none"  # which of each layer's activations the backward keeps (core/remat.py)
     eval_every: int = 50
     eval_batches: int = 8
     data: tuple[str, ...] = ()  # files for the model's dataset (the GPT: text); empty: its default
@@ -89,7 +90,8 @@ class TrainingDiverged(RuntimeError):
 
 def make_train_program(spec: TrainSpec) -> Program:
     return program_from(spec.model, spec.strategy, Mesh(spec.mesh), batch=spec.batch, optimizer=spec.optimizer,
-                        microbatches=spec.microbatches, schedule=spec.schedule, virtual=spec.virtual_stages)
+                        microbatches=spec.microbatches, schedule=spec.schedule, virtual=spec.virtual_stages,
+                        remat=spec.remat)
 
 
 def dataset_of(model, files=()):

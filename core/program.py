@@ -20,6 +20,7 @@ from .layers import ParamDecl
 from .mesh import Mesh
 from .model import InputDecl, Model, check_model, model_init
 from .pipeline import LAYERS, Pipeline, PipelineError, make_pipeline, pipeline_axis, pipeline_problems
+from .remat import Remat, check_remat, parse_remat
 from .optim import OptimizerConfig
 from .rules import RuleError, Rules
 from .shapes import Trace, trace
@@ -55,6 +56,7 @@ class Program:
     trace: Trace
     microbatches: int = 1  # a step of ``batch`` runs as this many microbatches of batch/microbatches
     pipeline: Pipeline | None = None  # the stages over a pp axis, where the strategy maps 'layers' to one
+    remat: Remat = Remat.NONE  # which of each repeated layer's values the backward keeps (core/remat.py)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -92,7 +94,7 @@ class Program:
         if cached is None:
             cached = make_program(self.model, self.strategy, self.mesh, batch=self.batch // self.microbatches,
                                   optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
-                                  _stage=self.pipeline is not None)
+                                  remat=self.remat, _stage=self.pipeline is not None)
             object.__setattr__(self, "_micro", cached)
         return cached
 
@@ -100,7 +102,7 @@ class Program:
         """The same program with other settings (``fault``, ``optimizer``, ``batch``, ...), checked again."""
         keep = dict(model=self.model, strategy=self.strategy, mesh=self.mesh, batch=self.batch,
                     optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
-                    microbatches=self.microbatches)
+                    microbatches=self.microbatches, remat=self.remat)
         if self.pipeline is not None:
             keep.update(schedule=self.pipeline.schedule.kind, virtual=self.pipeline.schedule.virtual)
         keep.update(changes)
@@ -181,14 +183,16 @@ class _Problems:
 def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: int,
                  optimizer: OptimizerConfig = OptimizerConfig(), model_ref: str | None = None,
                  fault: Fault | None = None, microbatches: int = 1, schedule: str | None = None,
-                 virtual: int | None = None, _stage: bool = False) -> Program:
+                 virtual: int | None = None, remat: Remat | str = Remat.NONE, _stage: bool = False) -> Program:
     """Resolve and check every layout of ``model`` under ``strategy`` on ``mesh`` for batches of
     ``batch``, run as ``microbatches`` microbatches a step (gradient accumulation; with a
     pipeline axis, the pipeline's microbatches, in the order of ``schedule``, default 1f1b, with
-    ``virtual`` stages a rank); raises one ``ProgramError`` listing every problem. ``_stage``: the
+    ``virtual`` stages a rank), each repeated layer's activations kept or recomputed as ``remat``
+    says; raises one ``ProgramError`` listing every problem. ``_stage``: the
     program of one pipeline stage's microbatch (the pipeline axis is the schedule's, not idle)."""
     model = check_model(model)
     strategy = load_strategy(strategy)
+    remat = parse_remat(remat)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"make_program: mesh must be a parlay.Mesh, got {mesh!r}.")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -237,6 +241,8 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         if d.shape[0] != batch:
             problems.add(f"input {name!r} has shape {d.shape} for batch {batch}; an input's first dim is the batch")
     tr = trace(model, batch)
+    for problem in check_remat(model, remat):
+        problems.add(problem)
     if tr.loss != ():
         problems.add(f"the loss has shape {tr.loss}; loss(ops, params, batch) must return a scalar (reduce it, e.g. "
                      f"with ops.mean or ops.cross_entropy)")
@@ -316,7 +322,7 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         pipeline = make_pipeline(model, mesh, pp_axis, schedule=schedule or "1f1b", microbatches=microbatches,
                                  virtual=virtual, batch=batch)
     program = Program(model, strategy, mesh, batch, optimizer, model_ref, fault, decls, inputs, layouts, activations, tr,
-                      microbatches, pipeline)
+                      microbatches, pipeline, remat)
     if microbatches > 1:
         try:
             program.micro  # noqa: B018 (checks the microbatch's shapes against the layouts)
@@ -331,7 +337,8 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
 
 def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
                  optimizer: OptimizerConfig = OptimizerConfig(), fault: Fault | None = None,
-                 microbatches: int = 1, schedule: str | None = None, virtual: int | None = None) -> Program:
+                 microbatches: int = 1, schedule: str | None = None, virtual: int | None = None,
+                 remat: Remat | str = Remat.NONE) -> Program:
     """``make_program`` from references: a preset or FILE.py:NAME / module:NAME, and built-in
     strategy names or FILE.py:NAME references joined by '+' (the command line's --model and
     --strategy); the program keeps the model's reference, to rebuild it elsewhere."""
@@ -340,4 +347,4 @@ def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
     model, ref = load_model(model_ref)
     return make_program(model, load_strategy(strategy_ref), mesh, batch=batch, optimizer=optimizer,
                         model_ref=ref or model_ref, fault=fault, microbatches=microbatches, schedule=schedule,
-                        virtual=virtual)
+                        virtual=virtual, remat=remat)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from ...core.ops import vocab_cross_entropy
@@ -86,7 +87,8 @@ class JaxLocal:
         scores = self.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D).astype(np.float32)
         if causal:
             scores = jnp.where(np.tril(np.ones((S, S), dtype=bool)), scores, -jnp.inf)
-        return self.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        out = self.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return checkpoint_name(out, "attention")  # what --remat selective keeps (core/remat.py)
 
     def rearrange(self, x, pattern, sizes):
         import einops

@@ -33,6 +33,7 @@ from ...core.ops import DenseOps, DropoutKey, step_words
 from ...core.pieces import owned_blocks, pieces_of, rank_file
 from ...core.pipeline import Mailbox, run_pipeline
 from ...core.program import Program, make_program
+from ...core.remat import run_layers
 from ...core.schedule import Op
 from ...core.session import input_values, microbatches, scalar_loss
 from ...core.strategies import Role
@@ -40,6 +41,7 @@ from .comm import JaxComm
 from .distributed import fetch, put
 from .mesh import AtomMesh, lower_layout, lower_mesh
 from .ops import JaxLocal
+from .remat import jax_checkpoint
 
 __all__ = ["JaxPipelineSession", "pipeline_checkpoint"]
 
@@ -129,8 +131,8 @@ class JaxPipelineSession:
                 h = model.embed(ops, sp, input_values(sub, batch))
             else:
                 h = Sharded(x, self.x_layout, self.x_shape, frozenset(self.x_layout.spec.axes))
-            for i in pipe.layers_of_stage[stage]:
-                h = model.layer(ops, sp, i, h)
+            h = run_layers(model, self.program.remat, ops, sp, pipe.layers_of_stage[stage], h,
+                           jax_checkpoint(self.program.remat) if training else None)
             if last:
                 return scalar_loss(ops, model.head(ops, sp, h, input_values(sub, batch)))
             return ops.constrain(h, self.x_dims).local
@@ -154,8 +156,8 @@ class JaxPipelineSession:
                            param=lambda name, v, dims: wsc(v, lower_layout(sub.compute(name), jmesh)),
                            training=training, rng=DropoutKey(self.seed, step, rows=(rows[0], rows[1])))
             h = model.embed(ops, params, batch) if stage == 0 else x
-            for i in pipe.layers_of_stage[stage]:
-                h = model.layer(ops, params, i, h)
+            h = run_layers(model, self.program.remat, ops, params, pipe.layers_of_stage[stage], h,
+                           jax_checkpoint(self.program.remat) if training else None)
             if stage == pipe.stages - 1:
                 return model.head(ops, params, h, batch)
             return ops.constrain(h, self.x_dims)

@@ -30,6 +30,7 @@ from ...core.ops import DenseOps, DropoutKey, step_words
 from ...core.optim import OptimizerConfig
 from ...core.pieces import Piece, box, piece_key, rank_file
 from ...core.program import Program
+from ...core.remat import remat_loss
 from ...core.session import check_batch, input_values, make_executor, microbatches, scalar_loss, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
@@ -38,6 +39,7 @@ from .distributed import fetch, put
 from .env import use_host_devices
 from .mesh import AtomMesh, lower_layout, lower_mesh
 from .ops import JaxLocal
+from .remat import jax_checkpoint
 
 __all__ = ["Mode", "JaxBackend", "JaxSession", "make_optimizer", "MAX_DEVICES"]
 
@@ -161,7 +163,9 @@ class JaxSession:
             return self._explicit_loss(params, batch, step, training, wrap_ops, program=program, rows=rows)
         p = self.program if program is None else program
         ops = self._dense_ops(training, step, rows)
-        return p.model.loss(wrap_ops(ops) if wrap_ops else ops, params, batch)
+        if wrap_ops is not None:
+            return p.model.loss(wrap_ops(ops), params, batch)
+        return remat_loss(p.model, p.remat, ops, params, batch, jax_checkpoint(p.remat) if training else None)
 
     def _explicit_loss(self, params, batch, step, training, wrap_ops=None, program: Program | None = None,
                        rows=(1, 0)):
@@ -174,8 +178,10 @@ class JaxSession:
             sp, sb = sharded_params(p, params), input_values(p, batch)
             ops = make_executor(p, comm, sp, coalesce=False, training=training, step=step, seed=self.seed,
                                 rows=(rows[0], rows[1]))
-            rec = wrap_ops(ops) if wrap_ops is not None else ops
-            return scalar_loss(ops, p.model.loss(rec, sp, sb))
+            if wrap_ops is not None:
+                return scalar_loss(ops, p.model.loss(wrap_ops(ops), sp, sb))
+            checkpoint = jax_checkpoint(p.remat) if training else None
+            return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sp, sb, checkpoint))
 
         spec = lambda role, k: atoms.spec(p.layouts[role][k])
         in_specs = ({k: spec(Role.PARAMS, k) for k in params}, {k: spec(Role.ACTIVATIONS, k) for k in batch},

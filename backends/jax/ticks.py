@@ -39,6 +39,7 @@ from ...core.mesh import Mesh
 from ...core.ops import step_words
 from ...core.pipeline import PipelineError
 from ...core.program import Program, make_program
+from ...core.remat import run_layers
 from ...core.schedule import Op
 from ...core.session import input_values, make_executor, microbatches, scalar_loss
 from ...core.shapes import part_params
@@ -47,6 +48,7 @@ from ...core.ticks import TO_DY, TO_X, TickPlan, forward_ticks, lower_to_ticks
 from .comm import JaxComm, VarianceMismatch, _vma
 from .distributed import fetch, put
 from .mesh import AtomMesh
+from .remat import jax_checkpoint
 from .session import make_optimizer
 
 __all__ = ["JaxLoopSession", "Stacking", "stacking"]
@@ -257,8 +259,8 @@ class JaxLoopSession:
             values = input_values(sub, inputs)
             h = model.embed(ops, sharded, values) if s == 0 else Sharded(
                 x, self.x_layout, self.x_shape, frozenset(self.x_layout.spec.axes))
-            for i in pipe.layers_of_stage[s]:
-                h = model.layer(ops, sharded, i, h)
+            h = run_layers(model, self.program.remat, ops, sharded, pipe.layers_of_stage[s], h,
+                           jax_checkpoint(self.program.remat) if training else None)
             if s == S - 1:
                 return scalar_loss(ops, model.head(ops, sharded, h, values))
             return _vary(ops.constrain(h, self.x_dims).local, x_names)

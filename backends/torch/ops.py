@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ... import triton_kernels
 from ...core.ops import vocab_cross_entropy
 from ...triton_kernels import Kernels, should_use_triton
+from .remat import saved
 
 __all__ = ["TorchLocal"]
 
@@ -104,8 +105,9 @@ class TorchLocal:
     def attention(self, q, k, v, *, causal=True):
         if self.uses_triton(q, k, v, supported=q.shape[-1] <= 256):
             # The kernel takes (B, H, S, D): transposed views, no copies.
-            out = triton_kernels.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
-            return out.transpose(1, 2)  # (B, S, H, D)
+            with saved("attention"):
+                out = triton_kernels.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
+                return out.transpose(1, 2)  # (B, S, H, D)
         B, S, H, D = q.shape
         group = H // k.shape[2]
         k = k.repeat_interleave(group, dim=2)  # kv head j serves query heads j*group..
@@ -114,7 +116,9 @@ class TorchLocal:
         if causal:
             mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
             scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+        probs = scores.softmax(-1)
+        with saved("attention"):  # what --remat selective keeps (core/remat.py)
+            return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
     def rearrange(self, x, pattern, sizes):
         import einops

@@ -10,11 +10,13 @@ import numpy as np
 import torch
 
 from ...core.executor import Sharded
+from ...core.remat import run_layers
 from ...core.schedule import Op
 from ...core.session import make_executor, scalar_loss, sharded_inputs
 from ...core.strategies import Role
 from .comm import TorchComm
 from .launch import mark_progress
+from .remat import torch_checkpoint
 
 if TYPE_CHECKING:
     from .session import TorchSession
@@ -57,8 +59,8 @@ class TorchStages:
         else:
             leaf = x.detach().requires_grad_(True)
             h = Sharded(leaf, self.x_layout, self.x_shape, frozenset(self.x_layout.spec.axes))
-        for i in self.pipe.layers_of_stage[stage]:
-            h = model.layer(ops, sp, i, h)
+        h = run_layers(model, p.remat, ops, sp, self.pipe.layers_of_stage[stage], h,
+                       torch_checkpoint(p.remat) if self.training else None)
         if stage == self.pipe.stages - 1:
             loss = scalar_loss(ops, model.head(ops, sp, h, sharded_inputs(p, arrays, place)))
             return float(loss.detach()), (loss, leaf, names)

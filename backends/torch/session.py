@@ -27,6 +27,7 @@ from ...core.optim import OptimizerConfig
 from ...core.pieces import owned_blocks, pieces_of, rank_file
 from ...core.pipeline import run_pipeline
 from ...core.program import Program
+from ...core.remat import remat_loss
 from ...core.session import check_batch, make_executor, microbatches, scalar_loss, sharded_inputs, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
@@ -37,6 +38,7 @@ from .launch import mark_progress, spawn, stop_all
 from .mesh import TorchMesh
 from .ops import TorchLocal
 from .pipeline import P2P, TorchStages
+from .remat import torch_checkpoint
 
 __all__ = ["TorchBackend", "TorchSession", "TorchSingleSession", "ShardedModule", "GLOO_PER_CORE"]
 
@@ -186,7 +188,10 @@ class TorchSingleSession:
     def _loss(self, batch, *, training: bool, wrap=None, program: Program | None = None, rows=(1, 0)):
         p = self.program if program is None else program
         ops = DenseOps(self.local_ops, training=training, rng=DropoutKey(self.seed, self.count, rows=rows))
-        return p.model.loss(wrap(ops) if wrap else ops, self.params_, _torch_batch(p, batch, "cpu"))
+        if wrap:
+            return p.model.loss(wrap(ops), self.params_, _torch_batch(p, batch, "cpu"))
+        return remat_loss(p.model, p.remat, ops, self.params_, _torch_batch(p, batch, "cpu"),
+                          torch_checkpoint(p.remat) if training else None)
 
     def _accumulate(self, batch) -> float:
         self.opt.zero_grad(set_to_none=True)
@@ -351,7 +356,10 @@ class TorchSession:
             self.grad_sync.sharded.clear()  # a new forward: the last backward's sharded gradients are spent
         ops = make_executor(p, comm, sp, coalesce=self.coalesce, hooks=hooks, training=training, step=self.count,
                             seed=self.seed, rows=rows)
-        return scalar_loss(ops, p.model.loss(wrap(ops) if wrap is not None else ops, sp, sb))
+        if wrap is not None:
+            return scalar_loss(ops, p.model.loss(wrap(ops), sp, sb))
+        checkpoint = torch_checkpoint(p.remat) if training and torch.is_grad_enabled() else None
+        return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sp, sb, checkpoint))
 
     def _accumulate(self, batch) -> float:
         """Forward and backward of a step's microbatches, each loss weighted 1/k before its
