@@ -67,6 +67,11 @@ class TorchBackend:
     def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
             timeout_s: float = 600.0, wall_s: float | None = -1):
         self.prepare(program.mesh)
+        pipe = program.pipeline
+        if program.remat.value == "selective" and pipe is not None and pipe.schedule.splits_backward:
+            raise ValueError(f"--remat selective on torch keeps its saved values for one backward of each layer, and "
+                             f"{pipe.schedule.name} runs two (the input gradient, then the weights'): use --remat "
+                             f"block, or a schedule that does not split the backward (1f1b, interleaved, gpipe)")
         if self.single:
             session = TorchSingleSession(program, program.init(seed) if params is None else params, seed=seed,
                                          emit=on_event, kernels=self.options["kernels"])
@@ -305,6 +310,9 @@ class TorchSession:
                  device: str | None = None):
         import torch.distributed as dist
 
+        # A layer recomputed under remat must run the same ops again: no block gathered at its first
+        # use and handed out later (the recompute would find it spent), each parameter at its use.
+        coalesce = coalesce and program.remat.value == "none"
         self.program, self.seed, self._emit, self.coalesce = program, seed, emit, coalesce
         mesh, lay = program.mesh, program.layouts
         if device is None:
