@@ -568,7 +568,8 @@ _MODEL_HELP = ("a preset (" + ", ".join(PRESETS) + ") or your own: FILE.py:NAME 
                "object or a function of no arguments returning one (see parlay.core.model)")
 _STRATEGY_HELP = ("built-in strategies joined by '+' (dp, zero1, zero2, fsdp, tp, tp_sp, ulysses, tp2d, pp; e.g. "
                   "fsdp+tp, pp+dp) "
-                  "or your own Strategy: FILE.py:NAME or package.module:NAME")
+                  "or your own Strategy: FILE.py:NAME or package.module:NAME; NAME@AXES puts one on other mesh "
+                  "axes (dp@replica+fsdp@shard: hybrid sharding)")
 
 
 def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: str | None = None,

@@ -113,11 +113,14 @@ def load_strategy(ref: str | Strategy) -> Strategy:
                          f"FILE.py:NAME / module:NAME.")
     out = None
     for part in (p.strip() for p in ref.split("+")):
-        if is_reference(part):
+        if is_reference(part.partition("@")[0]):
+            part, _, axes = part.partition("@")
             s = _load_object(part, "strategy")
             if not isinstance(s, Strategy):
                 raise TypeError(f"strategy {part!r} is a {type(s).__name__}, not a parlay Strategy "
                                 f"(parlay.core.strategies.Strategy).")
+            if axes:
+                s = s.on(*(a.strip() for a in axes.split(",")))
         else:
             s = get_strategy(part)
         out = s if out is None else out + s

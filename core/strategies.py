@@ -6,7 +6,10 @@ gather and reduce-scatter, Megatron's f and g, Ulysses' all-to-alls) follow from
 Short names combine with ``+`` (``"dp+tp"``, ``"fsdp+tp"``, ``"dp+tp_sp"``).
 
 Mesh axes: ``dp`` (data: dp, zero1, zero2, fsdp), ``tp`` (tensor: tp, tp_sp), ``sp`` (sequence:
-ulysses), ``row`` and ``col`` (the two axes of tp2d), ``pp`` (pipeline: pp).
+ulysses), ``row`` and ``col`` (the two axes of tp2d), ``pp`` (pipeline: pp). ``NAME@AXES`` puts a
+strategy on other axes (``Strategy.on``): ``fsdp@shard``, ``tp2d@x,y``; so two data strategies
+combine over two axes, ``dp@replica+fsdp@shard`` being hybrid sharding (HSDP: parameters sharded
+within a group, replicated across groups; the batch over both).
 """
 
 from __future__ import annotations
@@ -89,6 +92,27 @@ class Strategy:
         """Every logical name some rule maps."""
         return frozenset(n for role in Role for n, _ in self.rules(role).rules)
 
+    def on(self, *axes: str) -> "Strategy":
+        """This strategy over ``axes`` in place of its own (``self.axes``, in that order): every rule
+        of every role renamed, so ``STRATEGIES["fsdp"].on("shard")`` shards over ``shard``."""
+        own = self.axes
+        problems = []
+        if len(axes) != len(own):
+            problems.append(f"{self.name} uses {len(own)} mesh axis(es) {list(own)}; give as many, e.g. "
+                            f"{self.name}@{','.join('xyzuvw'[:len(own)])}")
+        bad = [a for a in axes if not isinstance(a, str) or not a.isidentifier()]
+        if bad:
+            problems.append(f"mesh axis names are identifiers; got {bad}")
+        if len(set(axes)) != len(axes):
+            problems.append(f"{list(axes)} names an axis twice; each of {self.name}'s axes needs its own")
+        if problems:
+            raise ValueError(f"strategy {self.name}@{','.join(map(str, axes))}: " + "; ".join(problems) + ".")
+        mapping = dict(zip(own, axes))
+        rename = lambda rules: None if rules is None else Rules(
+            [(n, tuple(mapping.get(a, a) for a in ax)) for n, ax in rules.rules])
+        return Strategy(f"{self.name}@{','.join(axes)}", **{role.value: rename(getattr(self, role.value))
+                                                             for role in Role}, generic=self.generic)
+
     def __add__(self, other: "Strategy") -> "Strategy":
         shared = set(self.axes) & set(other.axes)
         if shared:
@@ -161,12 +185,21 @@ STRATEGIES: dict[str, Strategy] = {
 
 
 def get_strategy(name: str | Strategy) -> Strategy:
-    """A strategy by short name; ``"a+b"`` combines (e.g. ``"dp+tp"``, ``"fsdp+tp"``)."""
+    """A strategy by short name; ``"a+b"`` combines (e.g. ``"dp+tp"``, ``"fsdp+tp"``); ``"a@x,y"``
+    puts ``a`` on mesh axes ``x, y`` (e.g. ``"dp@replica+fsdp@shard"``)."""
     if isinstance(name, Strategy):
         return name
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"strategy {name!r}: give a name such as {', '.join(STRATEGIES)}, or several joined by '+'.")
     parts = [p.strip() for p in name.split("+")]
+    if len(parts) == 1 and "@" in parts[0]:
+        base, _, axes = parts[0].partition("@")
+        return get_strategy(base.strip()).on(*(a.strip() for a in axes.split(",")))
+    if len(parts) > 1:
+        out = get_strategy(parts[0])
+        for p in parts[1:]:
+            out = out + get_strategy(p)
+        return out
     unknown = [p for p in parts if p not in STRATEGIES]
     if unknown:
         import difflib
