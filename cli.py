@@ -248,6 +248,11 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
     program = program_from(args.model, args.strategy, mesh, batch=args.batch,
                            optimizer=extra.get("optimizer", OptimizerConfig()), microbatches=args.microbatches,
                            schedule=args.schedule, virtual=args.virtual_stages, remat=args.remat)
+    runs_on = getattr(program.model, "runs_on", None)  # a model written for one framework (NnxModel: JAX)
+    refused = [b for b in backends if runs_on and b not in runs_on]
+    if refused:
+        raise UsageError(f"model {args.model} runs on {', '.join(runs_on)} only, not {', '.join(refused)}: use "
+                         f"--backend jax --mode gspmd (compare: --backends jax-gspmd)")
     check_memory(program, batches=1 + getattr(args, "eval_batches", 0),
                  processes=mesh.size if "torch" in backends else 1)
     return program

@@ -285,9 +285,12 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
     act_dims = {n for d in inputs.values() for n in d.dims if n is not None} | \
                {n for dims, _ in tr.constraints for n in dims if n is not None}
     unmatched: dict[tuple, list[str]] = {}
+    # A rule written once for parameters and activations alike (Flax's one list) needs a match in either.
+    both = set(strategy.rules(Role.PARAMS).rules) & set(strategy.rules(Role.ACTIVATIONS).rules)
     for role in Role:
-        vocab = act_dims if role is Role.ACTIVATIONS else param_dims
         for name, axes in strategy.rules(role).rules:
+            vocab = (param_dims | act_dims if (name, axes) in both else
+                     act_dims if role is Role.ACTIVATIONS else param_dims)
             if name not in vocab and name not in strategy.generic and not (name == LAYERS and pp_axis):
                 roles = unmatched.setdefault((name, axes, role is Role.ACTIVATIONS), [])
                 if role.value not in roles:

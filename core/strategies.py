@@ -192,15 +192,7 @@ def get_strategy(name: str | Strategy) -> Strategy:
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"strategy {name!r}: give a name such as {', '.join(STRATEGIES)}, or several joined by '+'.")
     parts = [p.strip() for p in name.split("+")]
-    if len(parts) == 1 and "@" in parts[0]:
-        base, _, axes = parts[0].partition("@")
-        return get_strategy(base.strip()).on(*(a.strip() for a in axes.split(",")))
-    if len(parts) > 1:
-        out = get_strategy(parts[0])
-        for p in parts[1:]:
-            out = out + get_strategy(p)
-        return out
-    unknown = [p for p in parts if p not in STRATEGIES]
+    unknown = [p.partition("@")[0].strip() for p in parts if p.partition("@")[0].strip() not in STRATEGIES]
     if unknown:
         import difflib
 
@@ -211,7 +203,11 @@ def get_strategy(name: str | Strategy) -> Strategy:
             f"unknown strategy {unknown[0]!r} in {name!r}; strategies are {', '.join(STRATEGIES)}, "
             f"combined with '+' (e.g. 'dp+tp').{hint}"
         )
-    out = STRATEGIES[parts[0]]
-    for p in parts[1:]:
-        out = out + STRATEGIES[p]
+    out = None
+    for p in parts:
+        base, at, axes = p.partition("@")
+        one = STRATEGIES[base.strip()]
+        if at:
+            one = one.on(*(a.strip() for a in axes.split(",")))
+        out = one if out is None else out + one
     return out
