@@ -51,16 +51,18 @@ def _programs(model, strategy, axes, **kw):
     return {r: make_program(model, strategy, Mesh(**axes), batch=B, remat=r, **kw) for r in REMATS}
 
 
-JAX_CASES = [("jax-single", "dp", dict(dp=1), {}),
-             ("jax", "dp+tp", dict(dp=2, tp=2), {}),
-             ("jax", "fsdp", dict(dp=4), dict(microbatches=2)),
-             ("jax-gspmd", "fsdp+tp", dict(dp=2, tp=2), {}),
+EXHAUSTIVE = pytest.mark.exhaustive
+JAX_CASES = [pytest.param("jax-single", "dp", dict(dp=1), {}, marks=EXHAUSTIVE, id="jax-single-dp"),
+             pytest.param("jax", "dp+tp", dict(dp=2, tp=2), {}, id="jax-dp+tp"),
+             pytest.param("jax", "fsdp", dict(dp=4), dict(microbatches=2), marks=EXHAUSTIVE, id="jax-fsdp"),
+             pytest.param("jax-gspmd", "fsdp+tp", dict(dp=2, tp=2), {}, id="jax-gspmd-fsdp+tp"),
              # the tick loop: I and W recompute a stage, and each layer inside it again
-             ("jax", "pp+dp", dict(pp=2, dp=2), dict(microbatches=2, schedule="zbv")),
-             ("jax-mpmd", "pp+tp", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b"))]
+             pytest.param("jax", "pp+dp", dict(pp=2, dp=2), dict(microbatches=2, schedule="zbv"), id="jax-pp+dp"),
+             pytest.param("jax-mpmd", "pp+tp", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b"),
+                          marks=EXHAUSTIVE, id="jax-mpmd-pp+tp")]
 
 
-@pytest.mark.parametrize("backend, strategy, axes, kw", JAX_CASES, ids=[f"{c[0]}-{c[1]}" for c in JAX_CASES])
+@pytest.mark.parametrize("backend, strategy, axes, kw", JAX_CASES)
 def test_jax_remat_equals_keeping_everything(backend, strategy, axes, kw):
     model = _model(4 if kw.get("schedule") == "zbv" else 2)
     runs = {r: get_backend(backend).run(p, _loss_and_grads, _batch(model))

@@ -138,12 +138,15 @@ def test_parlay_runs_the_module_as_nnx_does():
     assert dims["blocks.0.w_in.kernel"] == ("embed", "mlp") and dims["stem.kernel"] == ("features", "embed")
 
 
-CASES = [("dp", dict(dp=4)), ("fsdp", dict(dp=8)), ("tp", dict(tp=4)), ("fsdp+tp", dict(dp=2, tp=4)),
-         ("examples/nnx_mlp.py:FLAX_TP", dict(dp=2, tp=4))]
+CASES = [pytest.param("dp", dict(dp=4), id="dp"),
+         pytest.param("fsdp", dict(dp=8), id="fsdp", marks=pytest.mark.exhaustive),
+         pytest.param("tp", dict(tp=4), id="tp", marks=pytest.mark.exhaustive),
+         pytest.param("fsdp+tp", dict(dp=2, tp=4), id="fsdp+tp"),
+         pytest.param("examples/nnx_mlp.py:FLAX_TP", dict(dp=2, tp=4), id="FLAX_TP")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, axes", CASES, ids=[c[0].rsplit(":", 1)[-1] for c in CASES])
+@pytest.mark.parametrize("strategy, axes", CASES)
 def test_the_nnx_example_equals_one_device_under_parlay_strategies(strategy, axes):
     from parlay.compare import run_compare
 
