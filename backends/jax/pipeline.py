@@ -43,11 +43,28 @@ from .mesh import AtomMesh, lower_layout, lower_mesh
 from .ops import JaxLocal
 from .remat import jax_checkpoint
 
-__all__ = ["JaxPipelineSession", "pipeline_checkpoint"]
+__all__ = ["JaxPipelineSession", "PipelinedSession", "pipeline_checkpoint"]
 
 
-class JaxPipelineSession:
+class PipelinedSession:
+    """What both JAX pipeline sessions (this module's and the tick loop's) do alike."""
+
     rank, lead = 0, True
+    _emit = None
+
+    def trace(self, batch) -> list:
+        raise ValueError("the bisect records one forward of the whole model; under a pipeline each pp rank runs its own "
+                         "stages, which it does not follow yet. Bisect the same strategy without pp.")
+
+    def barrier(self) -> None:
+        pass
+
+    def emit(self, event) -> None:
+        if self._emit is not None:
+            self._emit(event)
+
+
+class JaxPipelineSession(PipelinedSession):
 
     def __init__(self, program: Program, params: Mapping[str, np.ndarray], *, seed: int = 0,
                  emit: Callable | None = None, devices=None, gspmd: bool = False):
@@ -273,16 +290,6 @@ class JaxPipelineSession:
             self.opt = [self._opt_state(r, count, mu, nu) for r in range(self.pipe.ranks)]
             self.count = count
 
-    def trace(self, batch) -> list:
-        raise ValueError("the bisect records one forward of the whole model; under a pipeline each pp rank runs its own "
-                         "stages, which it does not follow yet. Bisect the same strategy without pp.")
-
-    def barrier(self) -> None:
-        pass
-
-    def emit(self, event) -> None:
-        if self._emit is not None:
-            self._emit(event)
 
 
 def pipeline_checkpoint(program: Program, values: Mapping[str, np.ndarray]) -> tuple[list, dict]:

@@ -48,6 +48,7 @@ from ...core.ticks import TO_DY, TO_X, TickPlan, forward_ticks, lower_to_ticks
 from .comm import JaxComm, VarianceMismatch, _vma
 from .distributed import fetch, put
 from .mesh import AtomMesh
+from .pipeline import PipelinedSession, pipeline_checkpoint
 from .remat import jax_checkpoint
 from .session import make_optimizer
 
@@ -125,8 +126,7 @@ def _vary(x, names):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-class JaxLoopSession:
-    rank, lead = 0, True
+class JaxLoopSession(PipelinedSession):
 
     def __init__(self, program: Program, params: Mapping[str, np.ndarray], *, seed: int = 0,
                  emit: Callable | None = None, devices=None):
@@ -379,8 +379,6 @@ class JaxLoopSession:
         raise ValueError("the optimizer state holds no Adam moments")
 
     def checkpoint_tensors(self):
-        from .pipeline import pipeline_checkpoint
-
         _, adam = self._adam(self.state["opt"])
         values = {f"params/{k}": v for k, v in self.params().items()}
         values.update({f"opt/mu/{k}": v for k, v in self._unstacked(adam.mu).items()})
@@ -402,14 +400,3 @@ class JaxLoopSession:
         opt[i] = adam._replace(count=steps, mu=moments[0], nu=moments[1])
         self.state = {"params": self.state["params"], "opt": type(self.state["opt"])(opt)}
         self.count = count
-
-    def trace(self, batch) -> list:
-        raise ValueError("the bisect records one forward of the whole model; under a pipeline each pp rank runs its own "
-                         "stages, which it does not follow yet. Bisect the same strategy without pp.")
-
-    def barrier(self) -> None:
-        pass
-
-    def emit(self, event) -> None:
-        if self._emit is not None:
-            self._emit(event)

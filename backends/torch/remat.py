@@ -9,7 +9,6 @@ import functools
 import threading
 from typing import Callable
 
-import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ...core.executor import Sharded

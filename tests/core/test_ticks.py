@@ -1,13 +1,12 @@
 """core/ticks.py: a schedule lowered to synchronous ticks, checked by replaying its table with
 tagged values (every read must find exactly the value the schedule says it uses)."""
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parlay.core.schedule import Costs, Op, ScheduleKind, make_schedule, simulate_schedule
-from parlay.core.ticks import FIELDS, TO_DY, TO_X, forward_ticks, lower_to_ticks
+from parlay.core.ticks import FIELDS, TO_X, forward_ticks, lower_to_ticks
 
 
 def replay(plan):
