@@ -129,14 +129,18 @@ def _running(ops):
 class NnxModel:
     """A parlay ``Model`` of an NNX module. ``make(rngs)`` builds the module; ``loss(module,
     batch)`` is its scalar loss on a batch (a dict of arrays); ``inputs(batch)`` declares the
-    batch's arrays (``{name: InputDecl}``). Parameters are the module's ``nnx.Param``s; a module
-    holding other state (batch statistics, RNG streams) is refused."""
+    batch's arrays (``{name: InputDecl}``); ``dataset(files)``, if given, is what ``parlay train``
+    reads. Parameters are the module's ``nnx.Param``s; a module holding other state (batch
+    statistics, RNG streams) is refused."""
 
     runs_on = ("jax-single", "jax-gspmd")
 
     def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], loss: Callable[[Any, Mapping[str, Any]], Any],
-                 inputs: Callable[[int], Mapping[str, Any]], *, name: str | None = None):
+                 inputs: Callable[[int], Mapping[str, Any]], *, name: str | None = None,
+                 dataset: Callable[..., Any] | None = None):
         self.make, self._loss, self._inputs = make, loss, inputs
+        if dataset is not None:  # ``dataset(files)``: what parlay train reads (parlay.core.model.Dataset)
+            self.dataset = dataset
         with nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
             self.graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)

@@ -114,7 +114,7 @@ def _loss_and_grads(session, batch):
 
 def _batch(seed=0, n=8):
     rng = np.random.default_rng(seed)
-    return {"x": rng.normal(size=(n, 32)).astype(np.float32), "y": rng.integers(0, 10, n).astype(np.int32)}
+    return {"x": rng.normal(size=(n, 64)).astype(np.float32), "y": rng.integers(0, 10, n).astype(np.int32)}
 
 
 def test_parlay_runs_the_module_as_nnx_does():
@@ -177,3 +177,29 @@ def test_what_an_nnx_model_cannot_run_is_refused(capsys):
         from parlay.core import Rules, Strategy
 
         make_program(MODEL, Strategy("typo", params=Rules([("mpl", "tp")])), Mesh(tp=2), batch=8)
+
+
+@pytest.mark.slow
+def test_the_nnx_example_trains_sharded_and_resumes_under_another_strategy(tmp_path):
+    # 8 steps of fsdp+tp on dp=2,tp=2 saving at 4 and 8; drop step 8; dp on dp=4 resumes at 4 and
+    # takes the uninterrupted run's steps 5..8 (parameters and AdamW moments by their NNX paths).
+    import json
+    import shutil
+
+    from parlay.checkpoint import committed
+    from parlay.cli import main
+
+    common = ["train", "--model", "examples/nnx_mlp.py:model", "--backend", "jax", "--mode", "gspmd", "--steps", "8",
+              "--batch", "16", "--warmup", "2", "--lr", "3e-3", "--eval-every", "4", "--eval-batches", "2",
+              "--checkpoint-dir", str(tmp_path / "ckpt")]
+
+    def train(name, *flags):
+        assert main([*common, *flags, "--json", str(tmp_path / f"{name}.json")]) == 0
+        return json.loads((tmp_path / f"{name}.json").read_text())
+
+    full = train("full", "--strategy", "fsdp+tp", "--mesh", "dp=2,tp=2", "--checkpoint-every", "4")
+    assert [p.name for p in committed(tmp_path / "ckpt")] == ["step-00000004", "step-00000008"]
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000008")
+    resumed = train("resumed", "--strategy", "dp", "--mesh", "dp=4", "--resume")
+    np.testing.assert_allclose(resumed["losses"][4:], full["losses"][4:], rtol=1e-5)
+    assert full["losses"][-1] < full["losses"][0]
