@@ -126,20 +126,26 @@ def pipeline_problems(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleK
                       virtual: int | None = None) -> list[str]:
     """Every reason ``model`` cannot be pipelined over ``mesh``'s ``axis`` under ``schedule`` (the
     schedule's and the layers' both, so one error lists them all)."""
+    return _checked(model, mesh, axis, schedule, microbatches, virtual)[1]
+
+
+def _checked(model, mesh: Mesh, axis: str, schedule, microbatches: int, virtual) -> tuple[Schedule | None, list[str]]:
+    """(the schedule, if it could be built; every problem)."""
     missing = [m for m in ("layers", "residual", "embed", "layer", "head") if not callable(getattr(model, m, None))]
     if missing:
-        return [f"it lacks {', '.join(f'{m}()' for m in missing)}; a pipelined model splits its loss into embed(ops, "
-                f"params, batch), layer(ops, params, i, x) for i < layers() and head(ops, params, x, batch), with "
-                f"residual(batch) the (shape, dims) of x (see parlay.core.pipeline.PipelineModel)"]
+        return None, [f"it lacks {', '.join(f'{m}()' for m in missing)}; a pipelined model splits its loss into "
+                      f"embed(ops, params, batch), layer(ops, params, i, x) for i < layers() and head(ops, params, x, "
+                      f"batch), with residual(batch) the (shape, dims) of x (see parlay.core.pipeline.PipelineModel)"]
     p = mesh.axis_size(axis)
     try:
         sched = make_schedule(schedule, p, microbatches, virtual=virtual)
         kind, v, problems = sched.kind, sched.virtual, []
     except ScheduleError as e:
+        sched = None
         try:
             kind = ScheduleKind(str(getattr(schedule, "value", schedule)).lower())
         except ValueError:
-            return [str(e)]  # an unknown schedule: nothing more to check
+            return None, [str(e)]  # an unknown schedule: nothing more to check
         v = virtual if isinstance(virtual, int) and virtual > 0 else \
             {ScheduleKind.INTERLEAVED: 2, ScheduleKind.ZBV: 2}.get(kind, 1)
         problems = [str(e)]
@@ -151,7 +157,7 @@ def pipeline_problems(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleK
                f"choose {axis} and --virtual-stages whose product divides {n_layers}, or a model with more layers")
         problems.append(f"its {n_layers} layers do not divide into {p * v} stages ({p} ranks x {v} stages each, "
                         f"{kind.value}); {fix}")
-    return problems
+    return sched, problems
 
 
 def make_pipeline(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleKind, microbatches: int,
@@ -160,11 +166,10 @@ def make_pipeline(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleKind,
     ``PipelineError`` listing what is wrong and how to fix it)."""
     from .shapes import part_params
 
-    problems = pipeline_problems(model, mesh, axis, schedule=schedule, microbatches=microbatches, virtual=virtual)
+    sched, problems = _checked(model, mesh, axis, schedule, microbatches, virtual)
     if problems:
         raise PipelineError(f"model {type(model).__name__} cannot be pipelined over {axis}={mesh.axis_size(axis)}:",
                             problems)
-    sched = make_schedule(schedule, mesh.axis_size(axis), microbatches, virtual=virtual)
     n_layers, stages = int(model.layers()), sched.stages
     per = n_layers // stages
     layers_of = tuple(tuple(range(k * per, (k + 1) * per)) for k in range(stages))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable, Mapping
 
-__all__ = ["Remat", "REMATS", "SAVED", "remat_loss", "check_remat"]
+__all__ = ["Remat", "REMATS", "SAVED", "remat_loss", "run_layers", "check_remat", "on_blocks"]
 
 SAVED = ("attention",)  # the values ``selective`` keeps: the attention op's output
 
@@ -65,9 +65,7 @@ def remat_loss(model, remat: Remat, ops, params: Mapping[str, Any], batch: Mappi
     backend's wrapper: it returns ``fn(x)`` and makes the backward recompute it)."""
     if remat is Remat.NONE or checkpoint is None:
         return model.loss(ops, params, batch)
-    x = model.embed(ops, params, batch)
-    for i in range(int(model.layers())):
-        x = checkpoint(lambda h, i=i: model.layer(ops, params, i, h), x)
+    x = run_layers(model, remat, ops, params, range(int(model.layers())), model.embed(ops, params, batch), checkpoint)
     return model.head(ops, params, x, batch)
 
 
@@ -79,3 +77,25 @@ def run_layers(model, remat: Remat, ops, params, layers, x, checkpoint: Callable
         else:
             x = checkpoint(lambda h, i=i: model.layer(ops, params, i, h), x)
     return x
+
+
+def on_blocks(checkpoint: Callable[[Callable, Any], Any]) -> Callable[[Callable, Any], Any]:
+    """A backend's ``checkpoint(fn, array)`` made to take the executor's ``Sharded`` values too: the
+    local block goes through the framework's checkpoint, the layout around it."""
+    import dataclasses
+
+    from .executor import Sharded
+
+    def run(fn, x):
+        if not isinstance(x, Sharded):
+            return checkpoint(fn, x)
+        out = {}
+
+        def local(block):
+            out["value"] = fn(dataclasses.replace(x, local=block))
+            return out["value"].local
+
+        y = checkpoint(local, x.local)
+        return dataclasses.replace(out["value"], local=y)
+
+    return run

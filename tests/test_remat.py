@@ -96,10 +96,10 @@ def torch_remat_cases(rank, cases):
 @pytest.mark.slow
 def test_torch_remat_equals_keeping_everything():
     out = spawn(torch_remat_cases, 4, TORCH_CASES, timeout_s=600)[0]
-    for strategy in [c[0] for c in TORCH_CASES] + ["pp+dp zb-h1"]:
-        for r in ("block", "selective"):
-            if (strategy, r) in out:
-                _assert_same(out[(strategy, r)], out[(strategy, "none")], f"torch {strategy} remat {r}")
+    checks = [(c[0], r) for c in TORCH_CASES for r in ("block", "selective")] + [("pp+dp zb-h1", "block")]
+    assert set(out) == set(checks) | {(s, "none") for s, _ in checks}
+    for strategy, r in checks:
+        _assert_same(out[(strategy, r)], out[(strategy, "none")], f"torch {strategy} remat {r}")
     single = {r: get_backend("torch-single").run(p, _loss_and_grads, _batch(_model()))
               for r, p in _programs(_model(), "dp", dict(dp=1)).items()}
     for r in ("block", "selective"):

@@ -43,7 +43,16 @@ from .mesh import AtomMesh, lower_layout, lower_mesh
 from .ops import JaxLocal
 from .remat import jax_checkpoint
 
-__all__ = ["JaxPipelineSession", "PipelinedSession", "pipeline_checkpoint"]
+__all__ = ["JaxPipelineSession", "PipelinedSession", "pipeline_checkpoint", "stage_program"]
+
+
+def stage_program(program: Program) -> Program:
+    """One pp rank's program of one microbatch: the mesh with the pp axis of size 1 (the same layouts
+    over the other axes, on that rank's devices)."""
+    pp = program.pipeline.axis
+    mesh = Mesh(**{a: (1 if a == pp else n) for a, n in program.mesh.axes})
+    return make_program(program.model, program.strategy, mesh, batch=program.batch // program.microbatches,
+                        optimizer=program.optimizer, remat=program.remat, _stage=True)
 
 
 class PipelinedSession:
@@ -72,10 +81,7 @@ class JaxPipelineSession(PipelinedSession):
         self.pipe = pipe = program.pipeline
         mesh = program.mesh
         self.log = CollectiveLog()
-        # One pp rank's program: the mesh with the pp axis of size 1 (the same layouts, on its devices).
-        self.sub = make_program(program.model, program.strategy,
-                                Mesh(**{a: (1 if a == pipe.axis else n) for a, n in mesh.axes}),
-                                batch=program.batch // program.microbatches, optimizer=program.optimizer, _stage=True)
+        self.sub = stage_program(program)
         grid = np.array(list(devices or jax.devices())[:mesh.size], dtype=object).reshape(mesh.sizes)
         axis = mesh.axis_names.index(pipe.axis)
         self.atoms = AtomMesh(self.sub.mesh)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
 
-from ...core.executor import Sharded
-from ...core.remat import SAVED, Remat
+from ...core.remat import SAVED, Remat, on_blocks
 
 __all__ = ["jax_checkpoint"]
 
@@ -22,17 +20,4 @@ def jax_checkpoint(remat: Remat) -> Callable | None:
         return None
     policy = (jax.checkpoint_policies.save_only_these_names(*SAVED) if remat is Remat.SELECTIVE
               else jax.checkpoint_policies.nothing_saveable)
-
-    def checkpoint(fn, x):
-        if not isinstance(x, Sharded):
-            return jax.checkpoint(fn, policy=policy)(x)
-        out = {}
-
-        def local(block):
-            out["value"] = fn(dataclasses.replace(x, local=block))
-            return out["value"].local
-
-        y = jax.checkpoint(local, policy=policy)(x.local)
-        return dataclasses.replace(out["value"], local=y)
-
-    return checkpoint
+    return on_blocks(lambda fn, x: jax.checkpoint(fn, policy=policy)(x))

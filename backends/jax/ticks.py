@@ -35,10 +35,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ...core.executor import Sharded
 from ...core.log import CollectiveLog
-from ...core.mesh import Mesh
 from ...core.ops import step_words
 from ...core.pipeline import PipelineError
-from ...core.program import Program, make_program
+from ...core.program import Program
 from ...core.remat import run_layers
 from ...core.schedule import Op
 from ...core.session import input_values, make_executor, microbatches, scalar_loss
@@ -48,7 +47,7 @@ from ...core.ticks import TO_DY, TO_X, TickPlan, forward_ticks, lower_to_ticks
 from .comm import JaxComm, VarianceMismatch, _vma
 from .distributed import fetch, put
 from .mesh import AtomMesh
-from .pipeline import PipelinedSession, pipeline_checkpoint
+from .pipeline import PipelinedSession, pipeline_checkpoint, stage_program
 from .remat import jax_checkpoint
 from .session import make_optimizer
 
@@ -134,10 +133,7 @@ class JaxLoopSession(PipelinedSession):
         self.pipe = pipe = program.pipeline
         mesh = program.mesh
         self.log = CollectiveLog()
-        # One stage's program: the mesh with pp of size 1 (the same layouts over the other axes).
-        self.sub = make_program(program.model, program.strategy,
-                                Mesh(**{a: (1 if a == pipe.axis else n) for a, n in mesh.axes}),
-                                batch=program.batch // program.microbatches, optimizer=program.optimizer, _stage=True)
+        self.sub = stage_program(program)
         self.stack = stacking(program, self.sub)
         self.atoms, self.sub_atoms = AtomMesh(mesh), AtomMesh(self.sub.mesh)
         self.jax_mesh = self.atoms.jax_mesh(devices)

@@ -4,15 +4,13 @@ keeps the attention op's output through the selective-checkpoint contexts (torch
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
 from typing import Callable
 
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ...core.executor import Sharded
-from ...core.remat import Remat
+from ...core.remat import Remat, on_blocks
 
 __all__ = ["torch_checkpoint", "saved"]
 
@@ -42,17 +40,4 @@ def torch_checkpoint(remat: Remat) -> Callable | None:
         return None
     context = functools.partial(create_selective_checkpoint_contexts, _policy) if remat is Remat.SELECTIVE else None
     kwargs = {"use_reentrant": False, **({"context_fn": context} if context else {})}
-
-    def run(fn, x):
-        if not isinstance(x, Sharded):
-            return checkpoint(fn, x, **kwargs)
-        out = {}
-
-        def local(block):
-            out["value"] = fn(dataclasses.replace(x, local=block))
-            return out["value"].local
-
-        y = checkpoint(local, x.local, **kwargs)
-        return dataclasses.replace(out["value"], local=y)
-
-    return run
+    return on_blocks(lambda fn, x: checkpoint(fn, x, **kwargs))
