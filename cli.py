@@ -22,6 +22,7 @@ from .core import Layout, Mesh, P, Plan, plan_redistribute
 from .core.models.gpt import PRESETS
 from .core.rules import RuleError
 from .core.pipeline import PipelineError
+from .core.precision import PRECISIONS
 from .core.remat import REMATS
 from .core.schedule import SCHEDULES, ScheduleError
 
@@ -247,7 +248,8 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
         get_backend(name).prepare(mesh)
     program = program_from(args.model, args.strategy, mesh, batch=args.batch,
                            optimizer=extra.get("optimizer", OptimizerConfig()), microbatches=args.microbatches,
-                           schedule=args.schedule, virtual=args.virtual_stages, remat=args.remat)
+                           schedule=args.schedule, virtual=args.virtual_stages, remat=args.remat,
+                           precision=args.precision)
     runs_on = getattr(program.model, "runs_on", None)  # a model written for one framework (NnxModel: JAX)
     refused = [b for b in backends if runs_on and b not in runs_on]
     if refused:
@@ -267,7 +269,32 @@ def run_label(program) -> str:
         notes.append(f"{program.microbatches} microbatches")
     if program.remat.value != "none":
         notes.append(f"remat {program.remat.value}")
+    if program.precision.mixed:
+        notes.append(program.precision.name)
     return program.strategy.name + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def print_memory(program, console: Console, backend: str) -> None:
+    """The predicted bytes per device of one training step (core/memory.py), before it runs."""
+    from .core.memory import memory_report
+
+    r = memory_report(program, backend)
+    if r.activations is None:
+        console.print(f"memory per device (predicted): parameters {_size(r.params)}, gradients {_size(r.grads)}, AdamW "
+                      f"{_size(r.optimizer)}, batch {_size(r.inputs)}; activations not predicted ({r.detail})",
+                      soft_wrap=True)
+        return
+    console.print(f"memory per device (predicted): parameters {_size(r.params)}, gradients {_size(r.grads)}, AdamW "
+                  f"{_size(r.optimizer)}, batch {_size(r.inputs)}, activations {_size(r.activations)} ({r.detail}), "
+                  f"largest value {_size(r.largest)}: peak about {_size(r.peak)}; {100 * r.unsharded:.1f}% of the "
+                  f"parameters' elements held whole on every rank", soft_wrap=True)
 
 
 def note_pipeline(program, console: Console) -> None:
@@ -318,6 +345,7 @@ def _cmd_step(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--ranks {args.ranks}: {mesh} has {mesh.size} ranks; the torch backend starts one process "
                          f"per rank (leave --ranks out)")
     program = _program(args, mesh, [backend])
+    print_memory(program, console, backend)
     rows = run_steps(backend, program, steps=args.steps, seed=args.seed, timeout_s=args.collective_timeout)
     what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
     note_pipeline(program, console)
@@ -352,7 +380,7 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     check_output_file(args.json, "--json")
     check_output_file(args.plot, "--plot", (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff"))
     program = _program(args, mesh, backends)
-    tol = Tolerance()
+    tol = Tolerance.of(program.precision)
     if args.drop_all_reduce:
         layers = sorted({n.rsplit(".", 1)[0] for n in program.shapes})
         if args.drop_all_reduce not in layers:
@@ -374,19 +402,26 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     table = Table(title=f"{args.model}, {run_label(program)} on {mesh}, batch {args.batch}, {source}; loss per step",
                   title_justify="left")
     table.add_column("step", justify="right")
-    table.add_column("reference (1 device)", justify="right")
+    refs = [ref, *ref.others]
+    for r in refs:
+        table.add_column(f"{r.name} (reference)" if ref.others else "reference (1 device)", justify="right")
     for r in runs:
         table.add_column(r.name, justify="right")
-    for i, l0 in enumerate(ref.losses):
-        table.add_row(str(i + 1), f"{l0:.6f}", *(f"{r.losses[i]:.6f}" for r in runs))
+    for i in range(len(ref.losses)):
+        table.add_row(str(i + 1), *(f"{r.losses[i]:.6f}" for r in refs + runs))
     table.add_section()
-    table.add_row("", "max rel loss diff", *(f"{r.loss_diff:.1e}" for r in runs))
-    table.add_row("", "step-1 gradients", *(f"{r.grad_diff:.1e}" for r in runs))
-    table.add_row("", f"params after {args.steps}", *(f"{r.param_diff:.1e}" for r in runs))
-    table.add_row("", "agree", *("yes" if r.agree else "NO" for r in runs))
+    pad = [""] * (len(refs) - 1)
+    if ref.others:
+        table.add_row("", *pad, "held to", *(r.reference for r in runs))
+    table.add_row("", *pad, "max rel loss diff", *(f"{r.loss_diff:.1e}" for r in runs))
+    table.add_row("", *pad, "step-1 gradients", *(f"{r.grad_diff:.1e}" for r in runs))
+    table.add_row("", *pad, f"params after {args.steps}", *(f"{r.param_diff:.1e}" for r in runs))
+    table.add_row("", *pad, "agree", *("yes" if r.agree else "NO" for r in runs))
     console.print(table)
     console.print(f"tolerance: loss {tol.loss:g} relative, gradients {tol.grad:g} and parameters {tol.param:g} "
-                  f"(per tensor, L2 of the difference over L2 of the reference's gradient / update)")
+                  f"(per tensor, L2 of the difference over L2 of the reference's gradient / update)" + (
+                      f"; {program.precision.name}: a few of its roundings, each run held to its own framework on "
+                      f"one device" if program.precision.mixed else ""))
     if args.plot:
         plot_compare(ref, runs, args.plot, title=f"{args.model}, {program.strategy.name} on {mesh}", tol=tol)
         console.print(f"plot written to {args.plot}", soft_wrap=True)
@@ -402,8 +437,9 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
             "model": args.model, "strategy": program.strategy.name, "mesh": dict(mesh.axes), "steps": args.steps,
             "batch": args.batch, "seed": args.seed, "reference_backend": ref.name,
             "tolerance": {"loss": tol.loss, "grad": tol.grad, "param": tol.param},
-            "reference": {"losses": ref.losses},
-            "backends": {r.name: {"losses": r.losses, "max_rel_loss_diff": r.loss_diff,
+            "reference": {"losses": ref.losses}, "precision": program.precision.name,
+            "references": {r.name: {"losses": r.losses} for r in [ref, *ref.others]},
+            "backends": {r.name: {"losses": r.losses, "reference": r.reference, "max_rel_loss_diff": r.loss_diff,
                                   "grad_rel_diff": r.grad_diff, "param_rel_diff": r.param_diff,
                                   "agree": r.agree,
                                   "bisect": r.bisect.to_json() if r.bisect is not None else None} for r in runs},
@@ -445,7 +481,7 @@ def _train_spec(args, mesh: Mesh, backend: str):
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
     return TrainSpec(backend=backend, strategy=args.strategy, mesh=tuple(mesh.axes), model=args.model,
                      steps=args.steps, batch=args.batch, microbatches=args.microbatches, schedule=args.schedule,
-                     virtual_stages=args.virtual_stages, remat=args.remat, seed=args.seed,
+                     virtual_stages=args.virtual_stages, remat=args.remat, precision=args.precision, seed=args.seed,
                      optimizer=optimizer,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -506,6 +542,7 @@ def _train(args, console: Console, spec, program, data, describe, baseline) -> i
     ckpt, init = _train_checkpoints(args, spec, program, console)
     what = backend + (f" ({mesh.size} gloo ranks)" if backend == "torch" else "")
     note_pipeline(program, console)
+    print_memory(program, console, backend)
     console.print(f"{args.model}, {run_label(program)} on {mesh}, {what}: {args.steps} steps of {args.batch} examples "
                   f"of {describe() if callable(describe) else dataset_source(data)}"
                   + (f"; {baseline[0]} {baseline[1]:.3f}" if baseline else ""), soft_wrap=True)
@@ -598,6 +635,9 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
                    help="activation checkpointing of each repeated layer: keep every value (none), keep only the "
                         "layer's input and recompute the rest in the backward (block), or keep its input and "
                         "attention output (selective)")
+    p.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
+                   help="the dtype the ops compute in: fp32, bf16 or fp16 (with dynamic loss scaling); parameters, "
+                        "AdamW's states, norms, softmax, the loss and every summing collective stay float32")
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "

@@ -17,6 +17,7 @@ import numpy as np
 
 from .core.executor import Fault
 from .core.model import model_dataset
+from .core.precision import FP32, Precision
 from .core.program import Program
 from .core.session import BACKENDS, get_backend
 
@@ -33,6 +34,24 @@ class Tolerance:
     grad: float = 1e-4
     param: float = 2e-3
 
+    @classmethod
+    def of(cls, precision: Precision) -> "Tolerance":
+        """bf16 and fp16 against the same framework's single device in the same precision. A
+        16-bit value carries a relative rounding error up to its unit roundoff u (bf16 2^-8, fp16
+        2^-11), and two correct runs round at different points (a tensor-parallel partial sum
+        rounded before its float32 sum, a data-parallel gradient rounded per shard), so their
+        values differ by a few roundings: step-1 gradients 4u per tensor (measured at most 2.0u,
+        bf16, five strategies, both frameworks: tests/test_precision.py); the loss, a float32 mean
+        over many tokens where independent roundings average out, u/4 (measured at most 0.07u over
+        20 steps); parameters after the steps 32u of the distance moved: Adam's first update of an
+        element is its gradient's sign times the rate, so an element whose gradient is within a
+        rounding of zero may step the other way, 2 rates apart (measured 10.8u after 5 steps of the
+        tiny GPT under dp+tp). A layout's bug moves gradients by their own size, far outside."""
+        if not precision.mixed:
+            return cls()
+        u = 2.0 ** -8 if precision.compute == "bfloat16" else 2.0 ** -11
+        return cls(loss=u / 4, grad=4 * u, param=32 * u)
+
 
 @dataclass
 class BackendRun:
@@ -47,6 +66,8 @@ class BackendRun:
     loss_diff: float = 0.0  # the largest relative loss difference over the steps
     agree: bool = True
     bisect: "object | None" = None  # a BisectReport where the run disagrees
+    reference: str = ""  # the single-device run it was held to
+    others: list = field(default_factory=list, repr=False)  # a reference's: the other references run
 
 
 def _rel(a: dict, b: dict, scale: dict) -> tuple[float, str]:
@@ -81,23 +102,38 @@ def compare_batches(program: Program, steps: int, seed: int, data=None) -> list[
     return [data.batch_at(t, program.batch, seed=seed) for t in range(steps)]
 
 
+def reference_of(program: Program, backend: str, reference: str = "jax-single") -> str:
+    """The single-device run a backend is held to: ``reference``, or under mixed precision the
+    backend's own framework on one device (torch and JAX round 16-bit values differently)."""
+    if program.precision.mixed and reference in ("jax-single", "torch-single"):
+        return "torch-single" if backend.startswith("torch") else "jax-single"
+    return reference
+
+
 def run_compare(program: Program, *, steps: int, backends=BACKENDS, seed: int = 0, data=None,
-                tol: Tolerance = Tolerance(), bisect: bool = True, reference: str = "jax-single",
+                tol: Tolerance | None = None, bisect: bool = True, reference: str = "jax-single",
                 params: dict | None = None, timeout_s: float = 900) -> tuple[BackendRun, list[BackendRun]]:
     """(reference, [one run per backend]) of ``program`` on ``steps`` batches of ``data`` (default:
-    the model's dataset). A backend that disagrees beyond ``tol`` is bisected on the first batch.
-    ``timeout_s``: the torch ranks' collective timeout."""
+    the model's dataset). A backend that disagrees beyond ``tol`` (default: the precision's) is
+    bisected on the first batch. Under mixed precision each backend is held to its own framework's
+    single device (``reference_of``; each run's ``reference`` names it). ``timeout_s``: the torch
+    ranks' collective timeout."""
+    tol = Tolerance.of(program.precision) if tol is None else tol
     batches = compare_batches(program, steps, seed, data)
     start = program.init(seed) if params is None else params
-    ref = get_backend(reference)
-    ref_losses, ref_grads, ref_params = ref.run(program, compare_steps, batches, params=start, seed=seed)
-    reference_run = BackendRun(reference, ref_losses, grads=ref_grads, params=ref_params)
-    moved = {k: ref_params[k] - start[k] for k in start}
+    refs: dict[str, BackendRun] = {}
+    for name in dict.fromkeys([reference] + [reference_of(program, b, reference) for b in backends]):
+        ref_losses, ref_grads, ref_params = get_backend(name).run(program, compare_steps, batches, params=start,
+                                                                  seed=seed)
+        refs[name] = BackendRun(name, ref_losses, grads=ref_grads, params=ref_params)
     runs = []
     for name in backends:
+        ref = refs[reference_of(program, name, reference)]
+        ref_losses, ref_grads, ref_params = ref.losses, ref.grads, ref.params
+        moved = {k: ref_params[k] - start[k] for k in start}
         losses, grads, final = get_backend(name).run(program, compare_steps, batches, params=start, seed=seed,
                                                      timeout_s=timeout_s)
-        run = BackendRun(name, losses, grads=grads, params=final)
+        run = BackendRun(name, losses, grads=grads, params=final, reference=ref.name)
         run.grad_diff, run.worst_grad = _rel(grads, ref_grads, ref_grads)
         run.param_diff, run.worst_param = _rel(final, ref_params, moved)
         run.loss_diff = max(_rel_loss(a, b) for a, b in zip(losses, ref_losses))
@@ -105,10 +141,16 @@ def run_compare(program: Program, *, steps: int, backends=BACKENDS, seed: int = 
         if not run.agree and bisect:
             from .bisection import bisect as bisect_run
 
-            run.bisect = bisect_run(name, program, batches[0], params=start, seed=seed, reference=reference,
-                                    ref_grads=ref_grads, grads=grads)
+            if program.precision.mixed:  # a layout's bug shows exactly in float32, rounding does not hide it
+                run.bisect = bisect_run(name, program.replace(precision=FP32), batches[0], params=start, seed=seed,
+                                        reference=ref.name)
+            else:
+                run.bisect = bisect_run(name, program, batches[0], params=start, seed=seed, reference=reference,
+                                        ref_grads=ref_grads, grads=grads)
         runs.append(run)
-    return reference_run, runs
+    first = refs.pop(reference)
+    first.others = list(refs.values())  # the other framework's single device, under mixed precision
+    return first, runs
 
 
 def drop_all_reduce(layer: str) -> Fault:

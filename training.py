@@ -41,6 +41,7 @@ class TrainSpec:
     schedule: str | None = None  # the pipeline schedule, with the pp strategy
     virtual_stages: int | None = None
     remat: str = "none"  # which of each layer's activations the backward keeps (core/remat.py)
+    precision: str = "fp32"  # the compute dtype: fp32, bf16, fp16 (core/precision.py)
     eval_every: int = 50
     eval_batches: int = 8
     data: tuple[str, ...] = ()  # files for the model's dataset (the GPT: text); empty: its default
@@ -91,7 +92,7 @@ class TrainingDiverged(RuntimeError):
 def make_train_program(spec: TrainSpec) -> Program:
     return program_from(spec.model, spec.strategy, Mesh(spec.mesh), batch=spec.batch, optimizer=spec.optimizer,
                         microbatches=spec.microbatches, schedule=spec.schedule, virtual=spec.virtual_stages,
-                        remat=spec.remat)
+                        remat=spec.remat, precision=spec.precision)
 
 
 def dataset_of(model, files=()):
@@ -131,10 +132,14 @@ def data_digests(files) -> list[str]:
 _digested: dict = {}
 
 
-def _meta(spec: TrainSpec, program: Program, count: int, history: dict, source: str, digests: list) -> dict:
+def _meta(spec: TrainSpec, program: Program, count: int, history: dict, source: str, digests: list,
+          scaler=None) -> dict:
     """The run's state besides the tensors: what a resume on any backend needs."""
+    prec = program.precision
     return {"count": count, "backend": spec.backend, "model": model_meta(program), "mesh": dict(spec.mesh),
             "strategy": program.strategy.name, "optimizer": asdict(spec.optimizer),
+            "precision": {"policy": prec.name, "compute": prec.compute, "reductions": prec.reduce,
+                          "masters": "float32", "loss_scale": scaler.state() if scaler is not None else None},
             "data": {"seed": spec.seed, "batch": spec.batch, "files": list(spec.data), "sha256": digests,
                      "source": source},
             "rng": {"seed": spec.seed, "streams": "training batch t: the dataset's batch_at(t, seed); held-out batch i: "
@@ -240,6 +245,10 @@ def train_loop(session, spec: TrainSpec, resume: str | None, init_from: str | No
     ckpt = checkpoint.Checkpoint(resume) if resume else None
     if ckpt:
         session.restore(ckpt)
+        saved = ckpt.manifest.get("precision") or {}
+        scaler = getattr(session, "scaler", None)
+        if scaler is not None and saved.get("loss_scale"):  # fp16's dynamic scale goes on where it was
+            scaler.load(saved["loss_scale"])
     elif init_from:
         session.restore(checkpoint.Checkpoint(init_from), params_only=True)
     start = ckpt.step if ckpt else 0
@@ -262,7 +271,8 @@ def train_loop(session, spec: TrainSpec, resume: str | None, init_from: str | No
             if not all(np.isfinite(a).all() for b in blocks.values() for a in b.values()):
                 raise TrainingDiverged(f"step {t + 1}: the parameters or optimizer states are no longer finite; "
                                        f"no checkpoint saved (lower --lr)")
-            meta = _meta(spec, program, count, history, dataset_source(data), run["data_sha256"])
+            meta = _meta(spec, program, count, history, dataset_source(data), run["data_sha256"],
+                         getattr(session, "scaler", None))
             checkpoint.save(spec.checkpoint_dir, t + 1, tensors, blocks, meta, run=run["id"], lead=session.lead,
                             barrier=session.barrier, keep_last=spec.keep_last, crash_hook=_crash_hook(t + 1))
             session.emit(CheckpointEvent(t + 1, str(checkpoint.step_dir(spec.checkpoint_dir, t + 1))))

@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     import jax  # noqa: F401  (after the device count is set)
 
     from parlay.core import Mesh, get_backend, make_program
+    from parlay.core.memory import memory_report
     from parlay.core.models.gpt import GPT, PRESETS
     from parlay.core.schedule import make_schedule, simulate_schedule
 
@@ -61,19 +62,24 @@ def main(argv=None) -> int:
                             schedule=schedule)
 
     print("\nthe tick loop (one compiled step): XLA memory_analysis() per device")
-    print(f"{'schedule':<8} {'m':>3} {'temp KiB':>10} {'x+dy slots':>11} {'growth KiB':>11} {'slots predict':>14}")
+    print(f"{'schedule':<8} {'m':>3} {'temp KiB':>10} {'x+dy slots':>11} {'growth KiB':>11} {'slots predict':>14} "
+          f"{'report: act KiB':>16} {'its growth':>11}")
     for schedule in ("gpipe", "1f1b"):
         prev = None
         for m in ms:
             def measure(session, data=data_of(m)):
                 plan = session.train_plan
                 return session.compiled_step(data).memory_analysis().temp_size_in_bytes, plan.x_slots + plan.dy_slots
-            temp, slots = get_backend("jax").run(program_of(schedule, m), measure)
-            grown = want = ""
+            program = program_of(schedule, m)
+            temp, slots = get_backend("jax").run(program, measure)
+            act = memory_report(program, "jax").activations  # parlay's prediction (core/memory.py)
+            grown = want = act_grown = ""
             if prev is not None:
                 grown, want = f"{(temp - prev[0]) / 2**10:11.0f}", f"{(slots - prev[1]) * x_bytes / 2**10:14.0f}"
-            print(f"{schedule:<8} {m:>3} {temp / 2**10:10.0f} {slots:>11} {grown:>11} {want:>14}")
-            prev = (temp, slots)
+                act_grown = f"{(act - prev[2]) / 2**10:11.0f}"
+            print(f"{schedule:<8} {m:>3} {temp / 2**10:10.0f} {slots:>11} {grown:>11} {want:>14} {act / 2**10:16.0f} "
+                  f"{act_grown:>11}")
+            prev = (temp, slots, act)
     if not args.mpmd:
         return 0
 

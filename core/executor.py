@@ -34,7 +34,7 @@ from .mesh import Mesh
 from .ops import ELEMENTWISE, DropoutKey, LocalOps, LogicalDims, dropout_keep
 from .plan import Plan, plan_redistribute
 from .spec import Layout, P
-from .steps import AllGather, AllReduce, LocalSlice, Permute, Step
+from .steps import AllGather, AllReduce, AllToAll, LocalSlice, Permute, Step
 
 __all__ = ["Sharded", "Comm", "Hooks", "Fault", "ShardedOps", "param_groups", "group_members"]
 
@@ -145,12 +145,16 @@ class ShardedOps:
     ``compute(name)`` give the layouts of constraint points and of parameters in use;
     ``groups`` (name -> (group, [(name, value, dims) of its members])) gathers a group's
     parameters in one collective at its first use (FSDP's units); ``training`` turns dropout on,
-    with ``rng``'s (seed, step)."""
+    with ``rng``'s (seed, step). ``dtype``: mixed precision's compute dtype (core/precision.py):
+    floating operands are cast to it where an op computes, after their collectives, and a value
+    in it is widened to float32 for any collective that sums in either direction."""
 
     def __init__(self, comm: Comm, *, activation: Callable[[LogicalDims, tuple], Layout],
                  compute: Callable[[str], Layout], groups: Mapping[str, str] | None = None,
-                 hooks: Hooks | None = None, training: bool = True, rng: DropoutKey | None = None):
+                 hooks: Hooks | None = None, training: bool = True, rng: DropoutKey | None = None,
+                 dtype: str | None = None):
         self.comm, self.mesh, self.local = comm, comm.mesh, comm.local
+        self.dtype = dtype
         self._activation, self._compute = activation, compute
         self.groups = groups
         self.hooks = hooks or Hooks()
@@ -168,6 +172,21 @@ class ShardedOps:
     def _like(self, x: Sharded, local) -> Sharded:
         return self._make(local, x.layout, x.shape, x.varying)
 
+    # -- mixed precision (core/precision.py) ------------------------------------------------------------
+    def _c(self, *xs: Sharded) -> list[Sharded]:
+        """The values in the compute dtype (cast where the op computes: a parameter's collectives
+        and its gradient's sums ran before, in float32)."""
+        if self.dtype is None:
+            return list(xs)
+        return [dataclasses.replace(x, local=self.local.astype(x.local, self.dtype)) for x in xs]
+
+    def _narrow(self, local) -> bool:
+        """Whether ``local`` is a float of fewer bits than the sums run in (it widens for them)."""
+        return self.dtype is not None and _is_float(local) and _itemsize(local) < 4
+
+    def _wide(self, local):
+        return self.local.astype(local, "float32") if self._narrow(local) else local
+
     def _needs(self, axes, have) -> tuple[str, ...]:
         return tuple(a for a in self.mesh.axis_names if a in axes and a not in have and self.mesh.axis_size(a) > 1)
 
@@ -178,8 +197,9 @@ class ShardedOps:
         if not missing:
             return dataclasses.replace(x, varying=x.varying | trivial) if trivial else x
         param = (x.name, x.layout) if x.name is not None else None
-        return Sharded(self.comm.vary(x.local, missing, param=param), x.layout, x.shape,
-                       x.varying | set(missing) | trivial)
+        local = self.comm.vary(self._wide(x.local), missing, param=param)  # its backward sums: in float32
+        local = self.local.astype(local, self.dtype) if self._narrow(x.local) else local
+        return Sharded(local, x.layout, x.shape, x.varying | set(missing) | trivial)
 
     def _align(self, *xs: Sharded) -> list[Sharded]:
         union = frozenset().union(*(x.varying for x in xs))
@@ -198,7 +218,8 @@ class ShardedOps:
         hooks = self.hooks
         if hooks.plans is not None:
             hooks.plans.append(plan)
-        local, varying = x.local, set(x.varying)
+        narrow = self._narrow(x.local) and _sums(plan)
+        local, varying = (self._wide(x.local) if narrow else x.local), set(x.varying)
         fault = hooks.fault
         for i, step in enumerate(plan.steps):
             base = {a.partition(".")[0] for a in getattr(step, "axes", ())}
@@ -236,12 +257,17 @@ class ShardedOps:
             if hooks.tap is not None:
                 hooks.tap(plan, i, local, out)
             local = out
+        if narrow:  # rounded back once, after the collectives
+            local = self.local.astype(local, self.dtype)
         return self._make(local, plan.dst, x.shape, varying)
 
     def redistribute(self, x: Sharded, target: Layout) -> Sharded:
         if x.layout == target:
             return x
-        return self._run(plan_redistribute(x.layout, target, x.shape, itemsize=_itemsize(x.local)), x)
+        plan = plan_redistribute(x.layout, target, x.shape, itemsize=_itemsize(x.local))
+        if self._narrow(x.local) and _sums(plan):  # it runs in float32: its bytes are float32's
+            plan = plan_redistribute(x.layout, target, x.shape, itemsize=4)
+        return self._run(plan, x)
 
     def complete(self, x: Sharded) -> Sharded:
         """Sum pending partials (a nonlinear op needs whole values)."""
@@ -258,6 +284,10 @@ class ShardedOps:
             return x
         n = self.mesh.group_size(axes)
         return self._make(self.comm.psum(x.local * (1.0 / n), axes), x.layout, x.shape, x.varying - set(axes))
+
+    def _back(self, out, like):
+        """A float32 result in ``like``'s dtype (a narrow input's)."""
+        return self.local.astype(out, self.dtype) if self._narrow(like) else out
 
     def _index(self, axes):
         return self.comm.axis_index(tuple(axes)) if axes else 0
@@ -305,7 +335,7 @@ class ShardedOps:
     def einsum(self, equation: str, *operands: Sharded) -> Sharded:
         plan = plan_einsum(equation, [o.layout for o in operands], [o.shape for o in operands],
                            itemsize=_itemsize(operands[0].local))
-        moved = self._align(*(self._run(p, o) for p, o in zip(plan.operand_plans, operands)))
+        moved = self._c(*self._align(*(self._run(p, o) for p, o in zip(plan.operand_plans, operands))))
         out = self.local.einsum(equation, *(m.local for m in moved))
         return self._make(out, plan.out, plan.out_shape, moved[0].varying)
 
@@ -318,11 +348,11 @@ class ShardedOps:
         return tuple(self._align(x, y))
 
     def add(self, x: Sharded, y: Sharded) -> Sharded:
-        x, y = self._same(x, y, "add")
+        x, y = self._c(*self._same(x, y, "add"))
         return self._like(x, x.local + y.local)
 
     def mul(self, x: Sharded, y: Sharded) -> Sharded:
-        x, y = self._same(self.complete(x), self.complete(y), "mul")
+        x, y = self._c(*self._same(self.complete(x), self.complete(y), "mul"))
         return self._like(x, x.local * y.local)
 
     def add_bias(self, x: Sharded, b: Sharded) -> Sharded:
@@ -333,7 +363,7 @@ class ShardedOps:
             raise ValueError(f"add_bias: the bias has shape {b.shape}, not x's trailing dims {x.shape[x.ndim - b.ndim:]} "
                              f"(x: {x.shape}).")
         b = self.redistribute(self.complete(b), bias_layout(x.layout, x.ndim, b.ndim))
-        x, b = self._align(x, b)
+        x, b = self._c(*self._align(x, b))
         bias = b.local
         if x.layout.partial:
             bias = bias * self.local.cast(self._index(x.layout.partial) == 0, bias)
@@ -343,7 +373,7 @@ class ShardedOps:
         return self._like(x, x.local * float(c))  # linear: a pending sum's addends scale alike
 
     def _unary(self, x: Sharded, fn) -> Sharded:
-        x = self.complete(x)
+        (x,) = self._c(self.complete(x))
         return self._like(x, fn(x.local))
 
     def __getattr__(self, name: str):
@@ -354,7 +384,7 @@ class ShardedOps:
     # -- reductions -------------------------------------------------------------------------------------
     def sum(self, x: Sharded, dim: int) -> Sharded:
         d = _dim(dim, x.ndim, "sum")
-        out = self.local.sum(x.local, d)
+        out = self.local.sum(self._wide(x.local), d)  # sums in float32 (core/precision.py)
         return self._make(out, reduce_layout(x.layout, x.ndim, d), x.shape[:d] + x.shape[d + 1:], x.varying)
 
     def mean(self, x: Sharded, dim: int) -> Sharded:
@@ -364,17 +394,18 @@ class ShardedOps:
 
     def softmax(self, x: Sharded, dim: int = -1) -> Sharded:
         d = _dim(dim, x.ndim, "softmax")
-        x = self.complete(x)
+        (x,) = self._c(self.complete(x))
         axes = x.layout.dim_axes(d)
         if not axes:
             return self._like(x, self.local.softmax(x.local, d))
-        m = self.comm.pmax(self.local.max(x.local, d, keepdim=True), axes)  # a shift: no gradient
-        e = self.local.exp(x.local - m)
+        w = self._wide(x.local)  # in float32, back in the compute dtype at the end
+        m = self.comm.pmax(self.local.max(w, d, keepdim=True), axes)  # a shift: no gradient
+        e = self.local.exp(w - m)
         s = self._vary_local(self.comm.psum(self.local.sum(e, d, keepdim=True), axes), x.varying - set(axes), x.varying)
-        return self._like(x, e / s)
+        return self._like(x, self._back(e / s, x.local))
 
     def _last_dim(self, x: Sharded, *params: Sharded):
-        x = self.complete(x)
+        (x,) = self._c(self.complete(x))
         axes = x.layout.dim_axes(x.ndim - 1)
         vec = vector_layout(x.layout, x.ndim)
         aligned = self._align(x, *(self.redistribute(self.complete(p), vec) for p in params))
@@ -391,18 +422,20 @@ class ShardedOps:
         x, axes, (scale,) = self._last_dim(x, scale)
         if not axes:  # whole rows: the backend's own (maybe fused) norm
             return self._like(x, self.local.rms_norm(x.local, scale.local, eps))
-        ms = self._sum_last(x.local * x.local, x, axes) * (1.0 / x.shape[-1])
-        return self._like(x, x.local * self.local.rsqrt(ms + eps) * scale.local)
+        w = self._wide(x.local)  # the statistics in float32
+        ms = self._sum_last(w * w, x, axes) * (1.0 / x.shape[-1])
+        return self._like(x, self._back(w * self.local.rsqrt(ms + eps) * scale.local, x.local))
 
     def layer_norm(self, x: Sharded, scale: Sharded, bias: Sharded, eps: float) -> Sharded:
         x, axes, (scale, bias) = self._last_dim(x, scale, bias)
         if not axes:
             return self._like(x, self.local.layer_norm(x.local, scale.local, bias.local, eps))
         n = 1.0 / x.shape[-1]
-        mean = self._sum_last(x.local, x, axes) * n
-        centered = x.local - mean
+        w = self._wide(x.local)  # the statistics in float32
+        mean = self._sum_last(w, x, axes) * n
+        centered = w - mean
         var = self._sum_last(centered * centered, x, axes) * n
-        return self._like(x, centered * self.local.rsqrt(var + eps) * scale.local + bias.local)
+        return self._like(x, self._back(centered * self.local.rsqrt(var + eps) * scale.local + bias.local, x.local))
 
     # -- embedding, positions, attention, dropout, rearrange, loss ------------------------------------------
     def embed(self, table: Sharded, tokens: Sharded) -> Sharded:
@@ -416,13 +449,15 @@ class ShardedOps:
         hit = (ids >= 0) & (ids < v_local)
         rows = self.local.take(table.local, self.local.where(hit, ids, ids * 0))
         out = rows * self.local.cast(hit, rows)[..., None]
+        if self.dtype is not None:
+            out = self.local.astype(out, self.dtype)
         return self._make(out, out_layout, tokens.shape + (table.shape[1],), table.varying | tokens.varying)
 
     def rotary(self, x: Sharded, cos: Sharded, sin: Sharded) -> Sharded:
         x = self.complete(x)
         target, table = rotary_layouts(x.layout)
         x = self.redistribute(x, target)
-        cos, sin = self.redistribute(cos, table), self.redistribute(sin, table)
+        x, cos, sin = self._c(x, self.redistribute(cos, table), self.redistribute(sin, table))
         # cos/sin are constants: no gradient, no need to vary them.
         return self._like(x, self.local.rotary(x.local, cos.local, sin.local))
 
@@ -435,7 +470,7 @@ class ShardedOps:
             raise ValueError(f"attention: the query heads are split over {axes} but k and v have {k.shape[2]} heads, "
                              f"not divisible by {n}; each rank's query heads use its own kv heads, so the kv heads are "
                              f"split like the query heads: use axes that divide {k.shape[2]}, or keep the heads whole.")
-        q, k, v = self._align(*(self.redistribute(self.complete(t), target) for t in (q, k, v)))
+        q, k, v = self._c(*self._align(*(self.redistribute(self.complete(t), target) for t in (q, k, v))))
         return self._like(q, self.local.attention(q.local, k.local, v.local, causal=causal))
 
     def dropout(self, x: Sharded, rate: float, *, key: str) -> Sharded:
@@ -500,6 +535,18 @@ def _dim(dim: int, ndim: int, op: str) -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"{op}: dim {dim} is out of range for a tensor of {ndim} dims.")
     return dim % ndim
+
+
+def _sums(plan: Plan) -> bool:
+    """Whether a plan may sum in its forward or its backward: any step but an all-to-all (a
+    local slice or a permute may need ``vary`` first, whose backward sums)."""
+    return any(not isinstance(step, AllToAll) for step in plan.steps)
+
+
+def _is_float(local) -> bool:
+    dtype = getattr(local, "dtype", None)
+    return bool(getattr(dtype, "is_floating_point", False)) or getattr(dtype, "kind", "") == "f" or \
+        str(dtype) in ("bfloat16", "float16")
 
 
 def _itemsize(local) -> int:

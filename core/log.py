@@ -22,14 +22,17 @@ class CollectiveRecord:
     nbytes: int  # sent by this rank (torch: measured on the tensors; JAX: the plan's, at trace time)
     backward: bool = False
     source: Source = Source.PLAN
+    dtype: str = ""  # what was sent ("float32", "bfloat16", ...; mixed precision's sums must be float32)
 
 
 @dataclass
 class CollectiveLog:
     entries: list = field(default_factory=list)
 
-    def record(self, kind: Kind, axes, nbytes: int, backward: bool = False, source: Source | str = Source.PLAN) -> None:
-        self.entries.append(CollectiveRecord(kind, tuple(axes), int(nbytes), backward, Source(source)))
+    def record(self, kind: Kind, axes, nbytes: int, backward: bool = False, source: Source | str = Source.PLAN,
+               dtype: object = "") -> None:
+        name = str(dtype).removeprefix("torch.")
+        self.entries.append(CollectiveRecord(kind, tuple(axes), int(nbytes), backward, Source(source), name))
 
     def clear(self) -> None:
         self.entries.clear()

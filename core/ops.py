@@ -134,6 +134,11 @@ class LocalOps(Protocol):
     def where(self, mask, x, y): ...
     def cast(self, x, like):
         """``x`` (bool or int) as ``like``'s float dtype."""
+    def astype(self, x, dtype: str):
+        """A floating ``x`` in the float dtype named ``dtype`` (``"bfloat16"``, ``"float32"``, ...),
+        differentiably (the gradient comes back in x's dtype); any other ``x`` as it is. Mixed
+        precision's casts (core/precision.py); the norms, softmax and the loss widen to float32
+        inside themselves and hand back their input's dtype (the loss: float32)."""
     def iota(self, shape: tuple[int, ...], dim: int):
         """int32 indices along ``dim``, broadcastable to ``shape``."""
     def vocab_cross_entropy(self, logits, ids, hit, combine: Callable):
@@ -146,6 +151,7 @@ def vocab_cross_entropy(local: LocalOps, logits, ids, hit, combine: Callable):
     """``LocalOps.vocab_cross_entropy`` from the other local ops: the shard's max (a shift, no
     gradient), sum of exponentials and target logit, combined over the shards, then log-sum-exp
     minus the target's logit, per position."""
+    logits = local.astype(logits, "float32")  # the loss's statistics in float32 (core/precision.py)
     m = local.max(logits, -1)
     se = local.sum(local.exp(logits - m[..., None]), -1)
     picked = local.take_last(logits, ids) * local.cast(hit, logits)
@@ -214,12 +220,25 @@ def dropout_keep(coords: Sequence[Any], rate: float, key: str, rng: DropoutKey):
 class DenseOps:
     """``Ops`` on whole arrays with a backend's ``LocalOps``: the single-device reference, and
     GSPMD mode's global arrays (``constrain`` and ``param`` hooks put sharding constraints there).
-    ``training``: dropout on (with ``rng``) or off."""
+    ``training``: dropout on (with ``rng``) or off. ``dtype``: mixed precision's compute dtype
+    (core/precision.py: floating operands are cast to it where an op computes; None: as they come)."""
 
     def __init__(self, local: LocalOps, *, constrain: Callable | None = None, param: Callable | None = None,
-                 training: bool = True, rng: DropoutKey | None = None):
+                 training: bool = True, rng: DropoutKey | None = None, dtype: str | None = None):
         self.local, self._constrain, self._param = local, constrain, param
         self.training, self.rng = training, rng or DropoutKey()
+        self.dtype = dtype
+
+    def _c(self, x):
+        """An operand in the compute dtype."""
+        return x if self.dtype is None else self.local.astype(x, self.dtype)
+
+    def _cs(self, *xs) -> tuple:
+        return tuple(self._c(x) for x in xs)
+
+    def _wide(self, x):
+        """A sum's operand in float32 (core/precision.py: every reduction runs in float32)."""
+        return x if self.dtype is None else self.local.astype(x, "float32")
 
     def param(self, name, value, dims):
         return value if self._param is None else self._param(name, value, dims)
@@ -231,56 +250,59 @@ class DenseOps:
         return self.local.constant(np.asarray(value))
 
     def einsum(self, equation, *operands):
-        return self.local.einsum(equation, *operands)
+        return self.local.einsum(equation, *self._cs(*operands))
 
     def add(self, x, y):
+        x, y = self._cs(x, y)
         return x + y  # shapes were checked when the program traced the model (core/shapes.py)
 
     def mul(self, x, y):
+        x, y = self._cs(x, y)
         return x * y
 
     def add_bias(self, x, b):
+        x, b = self._cs(x, b)
         return x + b  # b's dims are x's trailing dims
 
     def scale(self, x, c):
         return x * float(c)
 
     def gelu(self, x):
-        return self.local.gelu(x)
+        return self.local.gelu(self._c(x))
 
     def silu(self, x):
-        return self.local.silu(x)
+        return self.local.silu(self._c(x))
 
     def relu(self, x):
-        return self.local.relu(x)
+        return self.local.relu(self._c(x))
 
     def tanh(self, x):
-        return self.local.tanh(x)
+        return self.local.tanh(self._c(x))
 
     def softmax(self, x, dim=-1):
-        return self.local.softmax(x, dim % len(x.shape))
+        return self.local.softmax(self._c(x), dim % len(x.shape))
 
     def sum(self, x, dim):
-        return self.local.sum(x, dim % len(x.shape))
+        return self.local.sum(self._wide(x), dim % len(x.shape))
 
     def mean(self, x, dim):
         d = dim % len(x.shape)
-        return self.local.sum(x, d) * (1.0 / x.shape[d])
+        return self.local.sum(self._wide(x), d) * (1.0 / x.shape[d])
 
     def rms_norm(self, x, scale, eps):
-        return self.local.rms_norm(x, scale, eps)
+        return self.local.rms_norm(self._c(x), scale, eps)
 
     def layer_norm(self, x, scale, bias, eps):
-        return self.local.layer_norm(x, scale, bias, eps)
+        return self.local.layer_norm(self._c(x), scale, bias, eps)
 
     def embed(self, table, tokens):
-        return self.local.take(table, tokens)
+        return self._c(self.local.take(table, tokens))
 
     def rotary(self, x, cos, sin):
-        return self.local.rotary(x, cos, sin)
+        return self.local.rotary(*self._cs(x, cos, sin))
 
     def attention(self, q, k, v, *, causal=True):
-        return self.local.attention(q, k, v, causal=causal)
+        return self.local.attention(*self._cs(q, k, v), causal=causal)
 
     def dropout(self, x, rate, *, key):
         if not self.training or rate == 0:
@@ -297,4 +319,4 @@ class DenseOps:
         return self.local.rearrange(x, pattern, sizes)
 
     def cross_entropy(self, logits, targets):
-        return self.local.cross_entropy(logits, targets)
+        return self.local.cross_entropy(self._c(logits), targets)

@@ -20,6 +20,7 @@ from .layers import ParamDecl
 from .mesh import Mesh
 from .model import InputDecl, Model, check_model, model_init
 from .pipeline import LAYERS, Pipeline, PipelineError, make_pipeline, pipeline_axis, pipeline_problems
+from .precision import FP32, Precision, parse_precision
 from .remat import Remat, check_remat, parse_remat
 from .optim import OptimizerConfig
 from .rules import RuleError, Rules
@@ -57,6 +58,7 @@ class Program:
     microbatches: int = 1  # a step of ``batch`` runs as this many microbatches of batch/microbatches
     pipeline: Pipeline | None = None  # the stages over a pp axis, where the strategy maps 'layers' to one
     remat: Remat = Remat.NONE  # which of each repeated layer's values the backward keeps (core/remat.py)
+    precision: Precision = FP32  # the compute dtype, float32 sums and masters, fp16's loss scale (core/precision.py)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -94,7 +96,7 @@ class Program:
         if cached is None:
             cached = make_program(self.model, self.strategy, self.mesh, batch=self.batch // self.microbatches,
                                   optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
-                                  remat=self.remat, _stage=self.pipeline is not None)
+                                  remat=self.remat, precision=self.precision, _stage=self.pipeline is not None)
             object.__setattr__(self, "_micro", cached)
         return cached
 
@@ -102,7 +104,7 @@ class Program:
         """The same program with other settings (``fault``, ``optimizer``, ``batch``, ...), checked again."""
         keep = dict(model=self.model, strategy=self.strategy, mesh=self.mesh, batch=self.batch,
                     optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
-                    microbatches=self.microbatches, remat=self.remat)
+                    microbatches=self.microbatches, remat=self.remat, precision=self.precision)
         if self.pipeline is not None:
             keep.update(schedule=self.pipeline.schedule.kind, virtual=self.pipeline.schedule.virtual)
         keep.update(changes)
@@ -183,16 +185,19 @@ class _Problems:
 def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: int,
                  optimizer: OptimizerConfig = OptimizerConfig(), model_ref: str | None = None,
                  fault: Fault | None = None, microbatches: int = 1, schedule: str | None = None,
-                 virtual: int | None = None, remat: Remat | str = Remat.NONE, _stage: bool = False) -> Program:
+                 virtual: int | None = None, remat: Remat | str = Remat.NONE,
+                 precision: Precision | str = FP32, _stage: bool = False) -> Program:
     """Resolve and check every layout of ``model`` under ``strategy`` on ``mesh`` for batches of
     ``batch``, run as ``microbatches`` microbatches a step (gradient accumulation; with a
     pipeline axis, the pipeline's microbatches, in the order of ``schedule``, default 1f1b, with
     ``virtual`` stages a rank), each repeated layer's activations kept or recomputed as ``remat``
-    says; raises one ``ProgramError`` listing every problem. ``_stage``: the
+    says, computing in ``precision`` (fp32, bf16, fp16: core/precision.py); raises one
+    ``ProgramError`` listing every problem. ``_stage``: the
     program of one pipeline stage's microbatch (the pipeline axis is the schedule's, not idle)."""
     model = check_model(model)
     strategy = load_strategy(strategy)
     remat = parse_remat(remat)
+    precision = parse_precision(precision)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"make_program: mesh must be a parlay.Mesh, got {mesh!r}.")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
@@ -219,6 +224,11 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
                                 cut + staged)
     if cut:
         raise ProgramError(f"batch {batch} cannot be cut into {microbatches} microbatches:", cut)
+    if pp_axis is not None and precision.loss_scale is not None:
+        raise ProgramError(headline, [f"precision {precision.name!r} scales the loss dynamically, which the pipeline "
+                                      f"schedules do not carry yet (every stage's backward would need the scale and "
+                                      f"every rank the overflow check): use --precision bf16 (float32's exponent "
+                                      f"range, no scaling) or fp32"])
     if schedule is not None and pp_axis is None and not _stage:
         raise ProgramError(headline, [f"schedule {getattr(schedule, 'value', schedule)!r} needs a pipeline: map the "
                                       f"model's layers to a mesh axis (add the strategy 'pp', e.g. --strategy pp+dp "
@@ -325,7 +335,7 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         pipeline = make_pipeline(model, mesh, pp_axis, schedule=schedule or "1f1b", microbatches=microbatches,
                                  virtual=virtual, batch=batch)
     program = Program(model, strategy, mesh, batch, optimizer, model_ref, fault, decls, inputs, layouts, activations, tr,
-                      microbatches, pipeline, remat)
+                      microbatches, pipeline, remat, precision)
     if microbatches > 1:
         try:
             program.micro  # noqa: B018 (checks the microbatch's shapes against the layouts)
@@ -341,7 +351,7 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
 def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
                  optimizer: OptimizerConfig = OptimizerConfig(), fault: Fault | None = None,
                  microbatches: int = 1, schedule: str | None = None, virtual: int | None = None,
-                 remat: Remat | str = Remat.NONE) -> Program:
+                 remat: Remat | str = Remat.NONE, precision: Precision | str = FP32) -> Program:
     """``make_program`` from references: a preset or FILE.py:NAME / module:NAME, and built-in
     strategy names or FILE.py:NAME references joined by '+' (the command line's --model and
     --strategy); the program keeps the model's reference, to rebuild it elsewhere."""
@@ -350,4 +360,4 @@ def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
     model, ref = load_model(model_ref)
     return make_program(model, load_strategy(strategy_ref), mesh, batch=batch, optimizer=optimizer,
                         model_ref=ref or model_ref, fault=fault, microbatches=microbatches, schedule=schedule,
-                        virtual=virtual, remat=remat)
+                        virtual=virtual, remat=remat, precision=precision)

@@ -158,7 +158,7 @@ def make_executor(program: Program, comm, params: Mapping[str, Sharded], *, coal
         hooks = dataclasses.replace(hooks, fault=program.fault)  # the caller's Hooks stay as they were
     return ShardedOps(comm, activation=program.activation, compute=program.compute,
                       groups=group_members(params, program.dims) if coalesce else None, hooks=hooks,
-                      training=training, rng=DropoutKey(seed, step, rows=rows))
+                      training=training, rng=DropoutKey(seed, step, rows=rows), dtype=program.precision.dtype)
 
 
 def scalar_loss(ops: ShardedOps, loss: Any) -> Any:

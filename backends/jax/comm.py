@@ -46,7 +46,7 @@ class JaxComm:
         if self.log is not None:  # at trace time: what one device sends (the busiest, for a permute)
             axes = getattr(step, "axes", ())
             n = plan_mesh.group_size(axes) if axes else 2
-            self.log.record(step.kind, axes, collective_bytes(step.kind, n, x.size, x.dtype.itemsize))
+            self.log.record(step.kind, axes, collective_bytes(step.kind, n, x.size, x.dtype.itemsize), dtype=x.dtype)
         return out
 
     def slice_shared(self, step, x, plan_mesh):

@@ -3,6 +3,8 @@ and GSPMD mode (``DenseOps(JaxLocal(), ...)``), one device's blocks inside ``sha
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -11,6 +13,25 @@ import numpy as np
 from ...core.ops import vocab_cross_entropy
 
 __all__ = ["JaxLocal"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _softmax(x, axis: int):
+    """Softmax whose backward keeps only its output (jax.nn.softmax's keeps its exponentials too):
+    the gradient is y * (g - sum(g * y))."""
+    return jax.nn.softmax(x, axis=axis)
+
+
+def _softmax_fwd(x, axis):
+    y = jax.nn.softmax(x, axis=axis)
+    return y, y
+
+
+def _softmax_bwd(axis, y, g):
+    return (y * (g - jnp.sum(g * y, axis=axis, keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 class JaxLocal:
@@ -33,7 +54,7 @@ class JaxLocal:
         return jnp.tanh(x)
 
     def softmax(self, x, dim):
-        return jax.nn.softmax(x, axis=dim)
+        return _softmax(x.astype(jnp.float32), dim % x.ndim).astype(x.dtype)  # in float32 (core/precision.py)
 
     def sum(self, x, dim, *, keepdim=False):
         return jnp.sum(x, axis=dim, keepdims=keepdim)
@@ -50,13 +71,16 @@ class JaxLocal:
     def rsqrt(self, x):
         return jax.lax.rsqrt(x)
 
+    # The norms compute in float32 and hand back x's dtype (core/precision.py).
     def rms_norm(self, x, scale, eps):
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+        w = x.astype(jnp.float32)
+        return (w * jax.lax.rsqrt(jnp.mean(w * w, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
 
     def layer_norm(self, x, scale, bias, eps):
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+        w = x.astype(jnp.float32)
+        mean = jnp.mean(w, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(w - mean), axis=-1, keepdims=True)
+        return ((w - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
 
     def take(self, table, ids):
         return jnp.take(table, ids, axis=0)
@@ -69,6 +93,9 @@ class JaxLocal:
 
     def cast(self, x, like):
         return jnp.asarray(x).astype(like.dtype)
+
+    def astype(self, x, dtype):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     def iota(self, shape, dim):
         return jax.lax.broadcasted_iota(jnp.int32, tuple(1 if d != dim else n for d, n in enumerate(shape)), dim)
@@ -84,10 +111,11 @@ class JaxLocal:
         group = H // k.shape[2]
         k = jnp.repeat(k, group, axis=2)  # (B, S, H, D): kv head j serves query heads j*group..
         v = jnp.repeat(v, group, axis=2)
-        scores = self.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D).astype(np.float32)
-        if causal:
-            scores = jnp.where(np.tril(np.ones((S, S), dtype=bool)), scores, -jnp.inf)
-        out = self.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        scores = self.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(D).astype(np.float32)
+        if causal:  # an additive mask: its backward keeps nothing (a select would keep its predicate)
+            scores = scores + np.where(np.tril(np.ones((S, S), dtype=bool)), 0.0, -np.inf).astype(np.float32)
+        probs = _softmax(scores, scores.ndim - 1).astype(v.dtype)  # in float32 (core/precision.py)
+        out = self.einsum("bhqk,bkhd->bqhd", probs, v)
         return checkpoint_name(out, "attention")  # what --remat selective keeps (core/remat.py)
 
     def rearrange(self, x, pattern, sizes):
@@ -99,5 +127,6 @@ class JaxLocal:
         return vocab_cross_entropy(self, logits, ids, hit, combine)
 
     def cross_entropy(self, logits, targets):
+        logits = logits.astype(jnp.float32)
         logz = jax.nn.logsumexp(logits, axis=-1)
         return jnp.mean(logz - self.take_last(logits, targets))

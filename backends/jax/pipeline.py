@@ -52,7 +52,7 @@ def stage_program(program: Program) -> Program:
     pp = program.pipeline.axis
     mesh = Mesh(**{a: (1 if a == pp else n) for a, n in program.mesh.axes})
     return make_program(program.model, program.strategy, mesh, batch=program.batch // program.microbatches,
-                        optimizer=program.optimizer, remat=program.remat, _stage=True)
+                        optimizer=program.optimizer, remat=program.remat, precision=program.precision, _stage=True)
 
 
 class PipelinedSession:
@@ -177,7 +177,8 @@ class JaxPipelineSession(PipelinedSession):
             ops = DenseOps(JaxLocal(), constrain=lambda v, dims: wsc(v, lower_layout(sub.activation(dims, v.shape),
                                                                                      jmesh)),
                            param=lambda name, v, dims: wsc(v, lower_layout(sub.compute(name), jmesh)),
-                           training=training, rng=DropoutKey(self.seed, step, rows=(rows[0], rows[1])))
+                           training=training, rng=DropoutKey(self.seed, step, rows=(rows[0], rows[1])),
+                           dtype=sub.precision.dtype)
             h = model.embed(ops, params, batch) if stage == 0 else x
             h = run_layers(model, self.program.remat, ops, params, pipe.layers_of_stage[stage], h,
                            jax_checkpoint(self.program.remat) if training else None)

@@ -28,6 +28,7 @@ from ...core import Layout
 from ...core.log import CollectiveLog
 from ...core.ops import DenseOps, DropoutKey, step_words
 from ...core.optim import OptimizerConfig
+from ...core.precision import LossScale
 from ...core.pieces import Piece, box, piece_key, rank_file
 from ...core.program import Program
 from ...core.remat import remat_loss
@@ -103,6 +104,7 @@ class JaxSession:
         self.program, self.mode, self.seed, self._emit = program, Mode(mode), seed, emit
         self.log = CollectiveLog()  # explicit mode: the plan steps the traced step executed
         self.tx = make_optimizer(program.optimizer)
+        self.scaler = LossScale.of(program.precision)  # fp16's dynamic loss scale (None: no scaling)
         if self.mode is Mode.SINGLE:
             self.device = (devices or jax.devices())[0]
         elif self.mode is Mode.EXPLICIT:
@@ -149,13 +151,14 @@ class JaxSession:
     # -- the loss in each mode -------------------------------------------------------------------------
     def _dense_ops(self, training: bool, step, rows=(1, 0)) -> DenseOps:
         rng = DropoutKey(self.seed, step, rows=rows)
+        dtype = self.program.precision.dtype
         if self.mode is Mode.SINGLE:
-            return DenseOps(JaxLocal(), training=training, rng=rng)
+            return DenseOps(JaxLocal(), training=training, rng=rng, dtype=dtype)
         p = self.program
         wsc = jax.lax.with_sharding_constraint
         constrain = lambda x, dims: wsc(x, self._sharding(p.activation(dims, x.shape)))
         param = lambda name, x, dims: wsc(x, self._sharding(p.compute(name)))
-        return DenseOps(JaxLocal(), constrain=constrain, param=param, training=training, rng=rng)
+        return DenseOps(JaxLocal(), constrain=constrain, param=param, training=training, rng=rng, dtype=dtype)
 
     def _loss(self, params, batch, step, training: bool = True, wrap_ops=None, program: Program | None = None,
               rows=(1, 0)):
@@ -190,10 +193,14 @@ class JaxSession:
         return jax.shard_map(local, mesh=self.jax_mesh, in_specs=in_specs, out_specs=PartitionSpec())(
             params, batch, step, rows)
 
-    def _loss_and_grads(self, params, batch, step, training: bool = True):
+    def _loss_and_grads(self, params, batch, step, training: bool = True, scale=None):
+        """The loss and gradients; ``scale``: fp16's loss scale, the backward's seed (the gradients
+        come back scaled)."""
         k = self.program.microbatches
+        seed = (lambda loss: loss) if scale is None else (lambda loss: loss * scale)
         if k == 1:
-            loss, grads = jax.value_and_grad(self._loss)(params, batch, step, training)
+            loss, grads = jax.value_and_grad(lambda *a: seed(self._loss(*a)))(params, batch, step, training)
+            loss = loss if scale is None else loss / scale
         else:
             # Gradient accumulation: a scan over the stacked microbatches (one microbatch's
             # activations live at a time), each loss weighted 1/k before its gradient.
@@ -201,8 +208,9 @@ class JaxSession:
 
             def one(carry, xs):
                 mb, i = xs
-                weighted = lambda p: self._loss(p, mb, step, training, program=micro, rows=(k, i)) / k
+                weighted = lambda p: seed(self._loss(p, mb, step, training, program=micro, rows=(k, i)) / k)
                 loss, grads = jax.value_and_grad(weighted)(params)
+                loss = loss if scale is None else loss / scale
                 return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
@@ -212,14 +220,23 @@ class JaxSession:
             grads = {k: jax.lax.with_sharding_constraint(g, self._sharding(layouts[k])) for k, g in grads.items()}
         return loss, grads
 
-    def _train_step(self, state, batch, step, lr):
-        loss, grads = self._loss_and_grads(state["params"], batch, step)
+    def _train_step(self, state, batch, step, lr, scale=None):
+        """One update; under fp16's loss scale (``scale``), the gradients are unscaled first and a
+        step whose gradients are not all finite leaves the state as it was (core/precision.py)."""
+        loss, grads = self._loss_and_grads(state["params"], batch, step, scale=scale)
+        finite = jax.numpy.bool_(True)
+        if scale is not None:
+            grads = jax.tree.map(lambda g: g / scale, grads)
+            finite = jax.numpy.isfinite(optax.global_norm(grads))
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = jax.tree.map(lambda p, u: p - lr * u, state["params"], updates)
+        if scale is not None:
+            keep = lambda new, old: jax.tree.map(lambda a, b: jax.numpy.where(finite, a, b), new, old)
+            params, opt = keep(params, state["params"]), keep(opt, state["opt"])
         if self.mode is not Mode.SINGLE:
             layouts = self.program.layouts[Role.PARAMS]
             params = {k: jax.lax.with_sharding_constraint(v, self._sharding(layouts[k])) for k, v in params.items()}
-        return {"params": params, "opt": opt}, loss
+        return {"params": params, "opt": opt}, (loss, finite)
 
     # -- state -----------------------------------------------------------------------------------------
     def init(self, params: Mapping[str, np.ndarray]):
@@ -243,12 +260,14 @@ class JaxSession:
     # -- the Session contract ----------------------------------------------------------------------------
     def _step_args(self, batch):
         """The jitted step's arguments besides the state: the batch, the step's two words, the rate."""
-        return (self._place_microbatches(batch), step_words(self.count),
+        args = (self._place_microbatches(batch), step_words(self.count),
                 np.float32(self.program.optimizer.lr_at(self.count)))
+        return args if self.scaler is None else args + (np.float32(self.scaler.scale),)
 
     def step(self, batch) -> float:
-        self.state, loss = self._step(self.state, *self._step_args(batch))
-        self.count += 1
+        self.state, (loss, finite) = self._step(self.state, *self._step_args(batch))
+        if self.scaler is None or self.scaler.update(bool(fetch(finite))):
+            self.count += 1  # a step skipped for overflow takes no update
         return float(fetch(loss))
 
     def step_hlo(self, batch) -> str:
@@ -259,8 +278,11 @@ class JaxSession:
         return float(fetch(self._eval(self.state["params"], self._place_batch(batch), step_words(self.count))))
 
     def loss_and_grads(self, batch):
-        loss, grads = self._grads(self.state["params"], self._place_microbatches(batch), step_words(self.count))
-        return float(fetch(loss)), {k: fetch(v) for k, v in grads.items()}
+        scale = None if self.scaler is None else np.float32(self.scaler.scale)
+        loss, grads = self._grads(self.state["params"], self._place_microbatches(batch), step_words(self.count),
+                                  scale=scale)
+        unscale = 1.0 if scale is None else 1.0 / float(scale)
+        return float(fetch(loss)), {k: fetch(v) * np.float32(unscale) for k, v in grads.items()}
 
     def params(self) -> dict[str, np.ndarray]:
         return {k: fetch(v) for k, v in self.state["params"].items()}

@@ -240,7 +240,7 @@ class JaxLoopSession(PipelinedSession):
         x_block = self.x_layout.local_shape(self.x_shape)
         # NaN wherever nothing was computed: a slot read before its value arrived, or a value sent
         # where the table sends nothing, would poison the loss (praxis fills its bubbles so too).
-        nan_x = _vary(jnp.full(x_block, jnp.nan, jnp.float32), x_names)
+        nan_x = _vary(jnp.full(x_block, jnp.nan, self.program.precision.compute), x_names)  # what stages send
 
         def stage_params(s: int) -> dict:
             j = st.where[s][1]

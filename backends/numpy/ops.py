@@ -81,6 +81,11 @@ class NumpyLocal:
     def cast(self, x, like):
         return np.asarray(ad.value(x)).astype(ad.value(like).dtype)
 
+    def astype(self, x, dtype):
+        if dtype != "float32":  # the sessions refuse mixed precision before this (core/precision.py)
+            raise ValueError(f"the numpy simulator computes in float32 only, not {dtype}.")
+        return x
+
     def iota(self, shape, dim):
         view = [1] * len(shape)
         view[dim] = shape[dim]

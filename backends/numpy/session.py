@@ -56,6 +56,10 @@ class NumpySession:
 
     def __init__(self, program: Program, params: Mapping[str, np.ndarray], *, single: bool = False,
                  emit: Callable | None = None, seed: int = 0):
+        if program.precision.mixed:
+            raise ValueError(f"the numpy simulator computes in float32 only (numpy's einsum has no bfloat16); "
+                             f"precision {program.precision.name!r} runs on torch and JAX: use --backends "
+                             f"torch,jax,jax-gspmd (references torch-single, jax-single), or --precision fp32.")
         self.program, self.single, self.seed = program, single, seed
         self._params = {k: np.asarray(params[k], np.float32).copy() for k in program.shapes}
         self.opt = AdamState()

@@ -32,9 +32,9 @@ class _Ctx:
         order = sorted(self.members)
         self.to_torch = [self.members.index(r) for r in order]  # torch slot j holds member to_torch[j]
 
-    def note(self, kind: Kind, nbytes: int, backward: bool):
+    def note(self, kind: Kind, nbytes: int, backward: bool, dtype=""):
         if self.log is not None:
-            self.log.record(kind, self.axes, nbytes, backward, self.source)
+            self.log.record(kind, self.axes, nbytes, backward, self.source, dtype)
 
 
 def _gather(x: torch.Tensor, dim: int, c: _Ctx, backward: bool) -> torch.Tensor:
@@ -45,7 +45,7 @@ def _gather(x: torch.Tensor, dim: int, c: _Ctx, backward: bool) -> torch.Tensor:
     ordered = [None] * c.n
     for slot, member in enumerate(c.to_torch):
         ordered[member] = pieces[slot]
-    c.note(Kind.ALL_GATHER, (c.n - 1) * x.numel() * x.element_size(), backward)
+    c.note(Kind.ALL_GATHER, (c.n - 1) * x.numel() * x.element_size(), backward, x.dtype)
     return torch.cat(ordered, 0).movedim(0, dim)
 
 
@@ -54,7 +54,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, c: _Ctx, backward: bool) -> torch
     inp = torch.cat([pieces[m] for m in c.to_torch], 0).contiguous()
     out = torch.empty((inp.shape[0] // c.n,) + inp.shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, inp, group=c.pg)
-    c.note(Kind.REDUCE_SCATTER, (c.n - 1) * x.numel() // c.n * x.element_size(), backward)
+    c.note(Kind.REDUCE_SCATTER, (c.n - 1) * x.numel() // c.n * x.element_size(), backward, x.dtype)
     return out.movedim(0, dim)
 
 
@@ -66,14 +66,14 @@ def _all_to_all(x: torch.Tensor, split: int, concat: int, c: _Ctx, backward: boo
     got = [None] * c.n
     for slot, member in enumerate(c.to_torch):
         got[member] = out[slot]
-    c.note(Kind.ALL_TO_ALL, (c.n - 1) * x.numel() // c.n * x.element_size(), backward)
+    c.note(Kind.ALL_TO_ALL, (c.n - 1) * x.numel() // c.n * x.element_size(), backward, x.dtype)
     return torch.cat(got, concat)
 
 
 def _all_reduce(x: torch.Tensor, c: _Ctx, backward: bool) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.all_reduce(out, group=c.pg)
-    c.note(Kind.ALL_REDUCE, 2 * (c.n - 1) * x.numel() // c.n * x.element_size(), backward)
+    c.note(Kind.ALL_REDUCE, 2 * (c.n - 1) * x.numel() // c.n * x.element_size(), backward, x.dtype)
     return out
 
 
@@ -257,7 +257,7 @@ class _CoalescedAllGather(torch.autograd.Function):
         flat = torch.cat([x.reshape(-1) for x in xs])
         out = torch.empty(c.n * flat.numel(), dtype=flat.dtype, device=flat.device)
         dist.all_gather_single(out, flat, group=c.pg)
-        c.note(Kind.ALL_GATHER, (c.n - 1) * flat.numel() * flat.element_size(), False)
+        c.note(Kind.ALL_GATHER, (c.n - 1) * flat.numel() * flat.element_size(), False, flat.dtype)
         rows = [None] * c.n
         for slot, member in enumerate(c.to_torch):
             rows[member] = out[slot * flat.numel():(slot + 1) * flat.numel()]
@@ -278,7 +278,7 @@ class _CoalescedAllGather(torch.autograd.Function):
         inp = torch.cat([torch.cat(per_member[m]) for m in c.to_torch]).contiguous()
         out = torch.empty(inp.numel() // c.n, dtype=inp.dtype, device=inp.device)
         dist.reduce_scatter_single(out, inp, group=c.pg)
-        c.note(Kind.REDUCE_SCATTER, (c.n - 1) * out.numel() * out.element_size(), True)
+        c.note(Kind.REDUCE_SCATTER, (c.n - 1) * out.numel() * out.element_size(), True, out.dtype)
         local, off = [], 0
         for shape in ctx.shapes:
             n = int(torch.Size(shape).numel())

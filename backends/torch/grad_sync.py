@@ -60,7 +60,7 @@ class GradSync:
             out = run_plan(plan, grad.detach(), self.tm)
         if self.log is not None:
             for step, sent in zip(plan.steps, plan.step_bytes):
-                self.log.record(step.kind, getattr(step, "axes", ()), sent[self.tm.rank], True, Source.OP)
+                self.log.record(step.kind, getattr(step, "axes", ()), sent[self.tm.rank], True, Source.OP, grad.dtype)
         self.sharded[name] = out if name not in self.sharded else self.sharded[name] + out
 
     def wants_layout(self, name: str, layout) -> bool:
@@ -106,7 +106,8 @@ class GradSync:
         work = dist.all_reduce(flat, group=pg, async_op=True)
         if self.log is not None:
             n = len(members)
-            self.log.record(Kind.ALL_REDUCE, axes, 2 * (n - 1) * flat.numel() // n * flat.element_size(), True, Source.OP)
+            self.log.record(Kind.ALL_REDUCE, axes, 2 * (n - 1) * flat.numel() // n * flat.element_size(), True, Source.OP,
+                            flat.dtype)
         self._inflight.append((work, flat, [(p, g.numel()) for p, g in entries]))
 
     def queue_finish(self) -> None:

@@ -50,7 +50,7 @@ class TorchLocal:
         return torch.tanh(x)
 
     def softmax(self, x, dim):
-        return torch.softmax(x, dim)
+        return torch.softmax(x, dim, dtype=torch.float32).to(x.dtype)  # in float32 (core/precision.py)
 
     def sum(self, x, dim, *, keepdim=False):
         return x.sum(dim, keepdim=keepdim)
@@ -67,17 +67,21 @@ class TorchLocal:
     def rsqrt(self, x):
         return torch.rsqrt(x)
 
+    # The norms compute in float32 and hand back x's dtype (core/precision.py); the Triton
+    # kernels take float32 rows only.
     def rms_norm(self, x, scale, eps):
-        if self.uses_triton(x, scale, supported=x.shape[-1] * x.element_size() <= 65536):
+        if self.uses_triton(x, scale, supported=x.shape[-1] * x.element_size() <= 65536 and _f32(x, scale)):
             return triton_kernels.rms_norm(x, scale, eps)
-        return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps) * scale
+        w = x.float()
+        return (w * torch.rsqrt(torch.mean(w * w, dim=-1, keepdim=True) + eps) * scale).to(x.dtype)
 
     def layer_norm(self, x, scale, bias, eps):
-        if self.uses_triton(x, scale, bias, supported=x.shape[-1] * x.element_size() <= 65536):
+        if self.uses_triton(x, scale, bias, supported=x.shape[-1] * x.element_size() <= 65536 and _f32(x, scale)):
             return triton_kernels.layer_norm(x, scale, bias, eps)
-        mean = x.mean(-1, keepdim=True)
-        var = ((x - mean) ** 2).mean(-1, keepdim=True)
-        return (x - mean) * torch.rsqrt(var + eps) * scale + bias
+        w = x.float()
+        mean = w.mean(-1, keepdim=True)
+        var = ((w - mean) ** 2).mean(-1, keepdim=True)
+        return ((w - mean) * torch.rsqrt(var + eps) * scale + bias).to(x.dtype)
 
     def take(self, table, ids):
         return table[ids.long()]
@@ -91,6 +95,9 @@ class TorchLocal:
     def cast(self, x, like):
         return torch.as_tensor(x, device=like.device).to(like.dtype)
 
+    def astype(self, x, dtype):
+        return x.to(getattr(torch, dtype)) if x.is_floating_point() else x
+
     def iota(self, shape, dim):
         view = [1] * len(shape)
         view[dim] = shape[dim]
@@ -103,7 +110,7 @@ class TorchLocal:
         return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
 
     def attention(self, q, k, v, *, causal=True):
-        if self.uses_triton(q, k, v, supported=q.shape[-1] <= 256):
+        if self.uses_triton(q, k, v, supported=q.shape[-1] <= 256 and _f32(q, k, v)):
             # The kernel takes (B, H, S, D): transposed views, no copies.
             with saved("attention"):
                 out = triton_kernels.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
@@ -112,11 +119,11 @@ class TorchLocal:
         group = H // k.shape[2]
         k = k.repeat_interleave(group, dim=2)  # kv head j serves query heads j*group..
         v = v.repeat_interleave(group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() / math.sqrt(D)
         if causal:
             mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
             scores = scores.masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(-1)
+        probs = scores.softmax(-1).to(v.dtype)  # in float32 (core/precision.py)
         with saved("attention"):  # what --remat selective keeps (core/remat.py)
             return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
@@ -126,7 +133,7 @@ class TorchLocal:
         return einops.rearrange(x, pattern, **sizes)
 
     def vocab_cross_entropy(self, logits, ids, hit, combine):
-        if self.uses_triton(logits):
+        if self.uses_triton(logits, supported=_f32(logits)):
             # ids are already local to the shard: the kernel's first column is 0, and a miss (-1)
             # is outside it. ``combine`` runs in the kernel's forward, on (positions,) statistics.
             return triton_kernels.vocab_parallel_cross_entropy(logits, torch.where(hit, ids, -1), vocab_start=0,
@@ -134,6 +141,10 @@ class TorchLocal:
         return vocab_cross_entropy(self, logits, ids, hit, combine)
 
     def cross_entropy(self, logits, targets):
-        if self.uses_triton(logits) and logits.ndim == 3:
+        if self.uses_triton(logits, supported=_f32(logits)) and logits.ndim == 3:
             return triton_kernels.cross_entropy(logits, targets)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
+
+
+def _f32(*xs: torch.Tensor) -> bool:
+    return all(x.dtype == torch.float32 for x in xs)

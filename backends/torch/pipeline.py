@@ -118,7 +118,8 @@ class P2P:
             ops.append(dist.P2POp(dist.isend, value, self._peer(peer), tag=self._tag(key)))
         for key, peer in recvs:
             # NaN until the value arrives: a value read before then poisons the loss, never hides
-            bufs[key] = torch.full(self.local_shape, float("nan"), device=self.s.device)
+            bufs[key] = torch.full(self.local_shape, float("nan"), device=self.s.device,
+                                   dtype=getattr(torch, self.s.program.precision.compute))  # what the stages send
             ops.append(dist.P2POp(dist.irecv, bufs[key], self._peer(peer), tag=self._tag(key)))
         if not ops:
             return {}

@@ -26,6 +26,7 @@ from ...core.ops import DenseOps, DropoutKey
 from ...core.optim import OptimizerConfig
 from ...core.pieces import owned_blocks, pieces_of, rank_file
 from ...core.pipeline import run_pipeline
+from ...core.precision import LossScale
 from ...core.program import Program
 from ...core.remat import remat_loss
 from ...core.session import check_batch, make_executor, microbatches, scalar_loss, sharded_inputs, sharded_params
@@ -172,6 +173,27 @@ def _adamw_step(opt: torch.optim.AdamW, cfg: OptimizerConfig, updates: int) -> i
     return updates + 1
 
 
+# fp16's dynamic loss scale (core/precision.py), for both sessions: the backward's seed is the
+# scale over the microbatch count; the step unscales in the clipping factor, and a step whose
+# gradients are not all finite is skipped (every rank has the same all-reduced norm, so all skip).
+def _seed(scaler: LossScale | None, parts: int) -> float:
+    return (1.0 if scaler is None else scaler.scale) / parts
+
+
+def _unscale(scaler: LossScale | None) -> float:
+    return 1.0 if scaler is None else scaler.scale
+
+
+def _norm(scaler: LossScale | None, sq: torch.Tensor) -> torch.Tensor:
+    """The global norm of the true (unscaled) gradients from their scaled squares' sum."""
+    return (torch.sqrt(sq) / _unscale(scaler)).float()
+
+
+def _skip(scaler: LossScale | None, sq: torch.Tensor) -> bool:
+    """Whether to skip the step (fp16 overflowed; the scale backs off). Without a scaler, never."""
+    return scaler is not None and not scaler.update(bool(torch.isfinite(sq)))
+
+
 def _torch_batch(program: Program, batch, device) -> dict[str, torch.Tensor]:
     return {k: torch.as_tensor(v, device=device) for k, v in check_batch(program, batch).items()}
 
@@ -189,10 +211,12 @@ class TorchSingleSession:
         self.local_ops = TorchLocal(kernels=kernels)
         self.params_ = {k: torch.tensor(np.asarray(params[k], np.float32), requires_grad=True) for k in program.shapes}
         self.opt = _adamw(list(self.params_.values()), program.optimizer)
+        self.scaler = LossScale.of(program.precision)  # fp16's dynamic loss scale (None: no scaling)
 
     def _loss(self, batch, *, training: bool, wrap=None, program: Program | None = None, rows=(1, 0)):
         p = self.program if program is None else program
-        ops = DenseOps(self.local_ops, training=training, rng=DropoutKey(self.seed, self.count, rows=rows))
+        ops = DenseOps(self.local_ops, training=training, rng=DropoutKey(self.seed, self.count, rows=rows),
+                       dtype=p.precision.dtype)
         if wrap:
             return p.model.loss(wrap(ops), self.params_, _torch_batch(p, batch, "cpu"))
         return remat_loss(p.model, p.remat, ops, self.params_, _torch_batch(p, batch, "cpu"),
@@ -204,15 +228,17 @@ class TorchSingleSession:
         total = 0.0
         for arrays, rows in parts:
             loss = self._loss(arrays, training=True, program=self.program.micro, rows=rows)
-            (loss / len(parts) if len(parts) > 1 else loss).backward()
+            (loss * _seed(self.scaler, len(parts))).backward()
             total += float(loss.detach()) / len(parts)
         return total
 
     def step(self, batch) -> float:
         loss = self._accumulate(batch)
         with torch.no_grad():
-            norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params_.values())).float()
-            scale = _clip(norm, self.program.optimizer.clip)
+            sq = sum((p.grad.double() ** 2).sum() for p in self.params_.values())
+            if _skip(self.scaler, sq):
+                return loss
+            scale = _clip(_norm(self.scaler, sq), self.program.optimizer.clip) / _unscale(self.scaler)
             for p in self.params_.values():
                 p.grad.mul_(scale)
         self.count = _adamw_step(self.opt, self.program.optimizer, self.count)
@@ -224,7 +250,8 @@ class TorchSingleSession:
 
     def loss_and_grads(self, batch):
         loss = self._accumulate(batch)
-        grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)).numpy().copy() for k, v in self.params_.items()}
+        grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)).numpy() / np.float32(_unscale(self.scaler))
+                 for k, v in self.params_.items()}
         self.opt.zero_grad(set_to_none=True)
         return loss, grads
 
@@ -241,7 +268,7 @@ class TorchSingleSession:
         holder = {}
 
         def wrap(ops):
-            holder["rec"] = Recorder(ops, lambda probe, out: setattr(probe, "value", out.detach().numpy().copy()))
+            holder["rec"] = Recorder(ops, lambda probe, out: setattr(probe, "value", _numpy(out)))
             return holder["rec"]
 
         with torch.no_grad():
@@ -277,7 +304,13 @@ def _blocks(local: torch.Tensor, world: int) -> list[np.ndarray]:
     local = local.detach().contiguous()
     pieces = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(pieces, local)
-    return [p.cpu().numpy() for p in pieces]
+    return [_numpy(p) for p in pieces]
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor on the host as numpy (a 16-bit float widened to float32: numpy has no bfloat16)."""
+    t = t.detach().cpu()
+    return (t.float() if t.is_floating_point() else t).numpy().copy()
 
 
 class ShardedModule(torch.nn.Module):
@@ -338,6 +371,7 @@ class TorchSession:
         self.master = {k: self.local[k] if k in self.shared else t.requires_grad_(True)
                        for k, t in self._shard(params, Role.OPTIMIZER).items()}
         self.opt = _adamw(list(self.master.values()), program.optimizer)
+        self.scaler = LossScale.of(program.precision)  # fp16's dynamic loss scale (None: no scaling)
         self.count = 0
         self.hooks: Hooks | None = None  # observers of the next forward (tests, the bisect)
 
@@ -385,7 +419,7 @@ class TorchSession:
             if self.grad_sync is not None:  # the step's sums wait for its last microbatch
                 self.grad_sync.defer = i < len(parts) - 1
             loss = self.loss(arrays, program=self.program.micro, rows=rows, accumulate=True)
-            self.backward(loss / len(parts) if len(parts) > 1 else loss)
+            self.backward(loss * _seed(self.scaler, len(parts)))
             total += float(loss.detach()) / len(parts)
         if self.grad_sync is not None:
             self.grad_sync.release()
@@ -490,7 +524,9 @@ class TorchSession:
                 sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
             mark_progress()
             dist.all_reduce(sq)
-            scale = _clip(torch.sqrt(sq).float(), cfg.clip)
+            if _skip(self.scaler, sq):
+                return loss
+            scale = _clip(_norm(self.scaler, sq), cfg.clip) / _unscale(self.scaler)
             for m in self.master.values():
                 m.grad.mul_(scale)
         self.count = _adamw_step(self.opt, cfg, self.count)
@@ -541,6 +577,8 @@ class TorchSession:
         layout_of = lambda k: mine[k][1] if k in mine else (lay[Role.GRADS][k] if k in self._sharded_grads()
                                                              else lay[Role.PARAMS][k])
         grads = {k: self._gather(k, mine[k][0] if k in mine else None, layout_of(k)) for k in shapes}
+        if self.scaler is not None:
+            grads = {k: None if g is None else g / np.float32(self.scaler.scale) for k, g in grads.items()}
         for p in self.local.values():
             p.grad = None
         return loss, grads

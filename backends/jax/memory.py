@@ -1,0 +1,200 @@
+"""The activations one device keeps for its backward, counted by tracing its program on shapes.
+
+The sharded executor runs one device's blocks through ``ShapeComm``: each plan step becomes a
+local op of the step's output shape (an all-gather a concatenation, a reduce-scatter or a slice
+a slice, an all-to-all a split and concatenation, a sum or a permute the identity), so nothing
+needs a device or a mesh of them, and any mesh size traces in the same time. ``jax.vjp`` of the
+loss, traced with ``make_jaxpr`` on ``ShapeDtypeStruct``s (no FLOP), lists the residuals it would
+keep (JAX's ``saved_residuals``): every value the backward reads that is not an argument, with
+the remat policy's ``jax.checkpoint`` in place. What an op keeps is thus JAX's choice, the same
+in every backend's executor up to how each framework's autodiff saves an op (torch keeps a
+softmax's output where JAX keeps its input, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.ad_checkpoint import saved_residuals
+
+from ...core.executor import Sharded
+from ...core.program import Program
+from ...core.remat import remat_loss, run_layers
+from ...core.session import input_values, make_executor, scalar_loss, sharded_params
+from ...core.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
+from ...core.strategies import Role
+from .ops import JaxLocal
+from .remat import jax_checkpoint
+
+__all__ = ["ShapeComm", "activation_bytes"]
+
+
+class ShapeComm:
+    """The executor's ``Comm`` for one device traced alone: every step keeps its local shapes."""
+
+    def __init__(self, mesh):
+        self.mesh, self.local = mesh, JaxLocal()
+
+    def run_step(self, step, x, plan_mesh):
+        n = plan_mesh.group_size(step.axes) if getattr(step, "axes", ()) else 1
+        if isinstance(step, AllGather):
+            return jnp.concatenate([x] * n, axis=step.dim)
+        if isinstance(step, (ReduceScatter, LocalSlice)):
+            return lax.slice_in_dim(x, 0, x.shape[step.dim] // n, axis=step.dim)
+        if isinstance(step, AllToAll):
+            piece = lax.slice_in_dim(x, 0, x.shape[step.split_dim] // n, axis=step.split_dim)
+            return jnp.concatenate([piece] * n, axis=step.concat_dim)
+        return x  # all-reduce, permute: the same shape
+
+    def slice_shared(self, step, x, plan_mesh):
+        return self.run_step(step, x, plan_mesh)
+
+    def vary(self, x, axes, *, param=None):
+        return x
+
+    def psum(self, x, axes):
+        return x
+
+    def pmax(self, x, axes):
+        return lax.stop_gradient(x)
+
+    def axis_index(self, axes):
+        return jnp.int32(0)
+
+    def all_gather_many(self, xs, dims, axes):
+        n = self.mesh.group_size(axes)
+        return [jnp.concatenate([x] * n, axis=d) for x, d in zip(xs, dims)]
+
+    def check(self, x: Sharded) -> None:
+        pass
+
+
+def _blocks(program: Program, role: Role, decls, dtype_of):
+    lay = program.layouts[role]
+    return {k: jax.ShapeDtypeStruct(lay[k].local_shape(d.shape), dtype_of(d)) for k, d in decls.items()}
+
+
+def _kept(fn, *args) -> int:
+    """Bytes of what ``jax.vjp(fn)`` keeps that is not an argument (JAX's own residual list)."""
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a, why in saved_residuals(fn, *args)
+               if "argument" not in why and "constant" not in why)
+
+
+def _largest(fn, *args) -> int:
+    """The largest value ``fn``'s forward computes (bytes): the biggest output of any equation."""
+    best = 0
+
+    def walk(jaxpr):
+        nonlocal best
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                aval = getattr(v, "aval", None)
+                if hasattr(aval, "shape") and hasattr(aval, "dtype"):
+                    best = max(best, math.prod(aval.shape) * aval.dtype.itemsize)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return best
+
+
+def activation_bytes(program: Program, backend: str = "torch") -> tuple[int, int, str]:
+    """(bytes kept for the backward, the largest single value, how they were counted) on one
+    device. ``backend`` matters under a pipeline only: torch keeps each in-flight microbatch's
+    autograd graph of its stage, JAX (the tick loop and MPMD) only the stage's input, recomputing
+    the stage in its backward."""
+    p = program.micro if program.pipeline is not None else program
+    params = _blocks(p, Role.PARAMS, {d.name: d for d in p.decls}, lambda d: jnp.float32)
+    inputs = _blocks(p, Role.ACTIVATIONS, dict(p.inputs), lambda d: d.dtype.numpy)
+    checkpoint = jax_checkpoint(p.remat)
+    if program.pipeline is None:
+        def loss(params, batch):
+            comm = ShapeComm(p.mesh)
+            ops = make_executor(p, comm, sharded_params(p, params), coalesce=False)
+            return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sharded_params(p, params),
+                                               input_values(p, batch), checkpoint))
+
+        kept = _kept(loss, params, inputs)
+        if program.microbatches > 1:
+            detail = f"one microbatch of {program.microbatches} (accumulation keeps one at a time)"
+        else:
+            detail = "one step"
+        return kept, _largest(loss, params, inputs), detail
+    return _pipelined(program, p, params, inputs, checkpoint, recompute=backend.startswith("jax"))
+
+
+def _pipelined(program: Program, p: Program, params, inputs, checkpoint, recompute: bool) -> tuple[int, int, str]:
+    """The schedule's peak of (stage, microbatch) pairs a rank holds, times what each pair keeps:
+    its stage's residuals for one microbatch, or (``recompute``) its stage's input, plus one
+    stage's residuals while its backward runs; the busiest rank."""
+    from ...core.schedule import Costs, simulate_schedule
+
+    pipe, model = program.pipeline, program.model
+    per_stage, held, largest = [], [], 0
+    nbytes = lambda a: math.prod(a.shape) * a.dtype.itemsize
+    for s in range(pipe.stages):
+        names = [k for k in params if k in pipe.params_of_stage[s]]
+        last = s == pipe.stages - 1
+
+        def stage(sp, x, batch, s=s, last=last):
+            comm = ShapeComm(p.mesh)
+            sharded = sharded_params(p, {**{k: jnp.zeros(v.shape, v.dtype) for k, v in params.items()}, **sp})
+            ops = make_executor(p, comm, sharded, coalesce=False)
+            values = input_values(p, batch)
+            h = model.embed(ops, sharded, values) if s == 0 else x
+            h = run_layers(model, p.remat, ops, sharded, pipe.layers_of_stage[s], h, checkpoint)
+            if last:
+                return scalar_loss(ops, model.head(ops, sharded, h, values))
+            out = h.local
+            return jnp.sum(out.astype(jnp.float32))  # a scalar whose vjp keeps what the stage's does
+
+        sp = {k: params[k] for k in names}
+        if s == 0:
+            fn, args = (lambda sp, batch: stage(sp, None, batch)), (sp, inputs)
+            held.append(sum(nbytes(a) for a in inputs.values()))
+        else:
+            x = _stage_input(p, model, params, inputs, pipe, s)
+            fn = lambda sp, xl, batch, x=x: stage(sp, Sharded(xl, x.layout, x.shape, x.varying), batch)
+            args = (sp, jax.ShapeDtypeStruct(x.local.shape, x.local.dtype), inputs)
+            held.append(nbytes(x.local))
+        per_stage.append(_kept(fn, *args))
+        largest = max(largest, _largest(fn, *args))
+    sim = simulate_schedule(pipe.schedule, Costs())
+    sc = pipe.schedule
+    worst = 0
+    for r in range(sc.ranks):
+        mine = [s for s in range(pipe.stages) if sc.rank_of(s) == r]
+        if recompute:
+            kept = sim.peak_in_flight[r] * max(held[s] for s in mine) + max(per_stage[s] for s in mine)
+        else:
+            kept = sim.peak_in_flight[r] * max(per_stage[s] for s in mine)
+        worst = max(worst, kept)
+    each = "its stage's input (JAX recomputes a stage in its backward)" if recompute else "its stage's residuals"
+    return worst, largest, (f"{sc.name}: up to {max(sim.peak_in_flight)} (stage, microbatch) pairs held on a rank, "
+                            f"each {each}")
+
+
+def _stage_input(p: Program, model, params, inputs, pipe, s: int):
+    """The Sharded value (abstract) that enters stage s: the previous stages run on shapes."""
+    holder = {}
+
+    def run(params, batch):
+        comm = ShapeComm(p.mesh)
+        sharded = sharded_params(p, params)
+        ops = make_executor(p, comm, sharded, coalesce=False)
+        h = model.embed(ops, sharded, input_values(p, batch))
+        for t in range(s):
+            h = run_layers(model, p.remat, ops, sharded, pipe.layers_of_stage[t], h, None)
+        holder["x"] = h
+        return h.local
+
+    out = jax.eval_shape(run, params, inputs)
+    h = holder["x"]
+    return Sharded(jax.ShapeDtypeStruct(out.shape, out.dtype), h.layout, h.shape, h.varying)
