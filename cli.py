@@ -249,7 +249,7 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
     program = program_from(args.model, args.strategy, mesh, batch=args.batch,
                            optimizer=extra.get("optimizer", OptimizerConfig()), microbatches=args.microbatches,
                            schedule=args.schedule, virtual=args.virtual_stages, remat=args.remat,
-                           precision=args.precision)
+                           precision=args.precision, offload=args.offload)
     runs_on = getattr(program.model, "runs_on", None)  # a model written for one framework (NnxModel: JAX)
     refused = [b for b in backends if runs_on and b not in runs_on]
     if refused:
@@ -271,6 +271,8 @@ def run_label(program) -> str:
         notes.append(f"remat {program.remat.value}")
     if program.precision.mixed:
         notes.append(program.precision.name)
+    if program.offload:
+        notes.append("optimizer offload")
     return program.strategy.name + (f" ({', '.join(notes)})" if notes else "")
 
 
@@ -291,8 +293,9 @@ def print_memory(program, console: Console, backend: str) -> None:
                       f"{_size(r.optimizer)}, batch {_size(r.inputs)}; activations not predicted ({r.detail})",
                       soft_wrap=True)
         return
-    console.print(f"memory per device (predicted): parameters {_size(r.params)}, gradients {_size(r.grads)}, AdamW "
-                  f"{_size(r.optimizer)}, batch {_size(r.inputs)}, activations {_size(r.activations)} ({r.detail}), "
+    adam = f"AdamW {_size(r.optimizer)}" if not r.host else f"AdamW none (its {_size(r.host)} in host memory)"
+    console.print(f"memory per device (predicted): parameters {_size(r.params)}, gradients {_size(r.grads)}, {adam}, "
+                  f"batch {_size(r.inputs)}, activations {_size(r.activations)} ({r.detail}), "
                   f"largest value {_size(r.largest)}: peak about {_size(r.peak)}; {100 * r.unsharded:.1f}% of the "
                   f"parameters' elements held whole on every rank", soft_wrap=True)
 
@@ -481,7 +484,8 @@ def _train_spec(args, mesh: Mesh, backend: str):
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=args.steps if args.cosine else 0)
     return TrainSpec(backend=backend, strategy=args.strategy, mesh=tuple(mesh.axes), model=args.model,
                      steps=args.steps, batch=args.batch, microbatches=args.microbatches, schedule=args.schedule,
-                     virtual_stages=args.virtual_stages, remat=args.remat, precision=args.precision, seed=args.seed,
+                     virtual_stages=args.virtual_stages, remat=args.remat, precision=args.precision,
+                     offload=args.offload, seed=args.seed,
                      optimizer=optimizer,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, data=tuple(args.data or ()),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -638,6 +642,9 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
     p.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
                    help="the dtype the ops compute in: fp32, bf16 or fp16 (with dynamic loss scaling); parameters, "
                         "AdamW's states, norms, softmax, the loss and every summing collective stay float32")
+    p.add_argument("--offload", action="store_true",
+                   help="keep AdamW's states in host memory between steps, moved in for the update (ZeRO-Offload's "
+                        "placement; JAX without a pipeline; with zero1, zero2 or fsdp each device's shard)")
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "

@@ -42,6 +42,7 @@ class TrainSpec:
     virtual_stages: int | None = None
     remat: str = "none"  # which of each layer's activations the backward keeps (core/remat.py)
     precision: str = "fp32"  # the compute dtype: fp32, bf16, fp16 (core/precision.py)
+    offload: bool = False  # AdamW's states in host memory between steps (JAX)
     eval_every: int = 50
     eval_batches: int = 8
     data: tuple[str, ...] = ()  # files for the model's dataset (the GPT: text); empty: its default
@@ -92,7 +93,7 @@ class TrainingDiverged(RuntimeError):
 def make_train_program(spec: TrainSpec) -> Program:
     return program_from(spec.model, spec.strategy, Mesh(spec.mesh), batch=spec.batch, optimizer=spec.optimizer,
                         microbatches=spec.microbatches, schedule=spec.schedule, virtual=spec.virtual_stages,
-                        remat=spec.remat, precision=spec.precision)
+                        remat=spec.remat, precision=spec.precision, offload=spec.offload)
 
 
 def dataset_of(model, files=()):

@@ -3,7 +3,8 @@ parameters, gradients and AdamW moments from their layouts (float32, core/precis
 batch's blocks, and the activations the backward keeps under the precision and remat policies.
 
 Model state is exact: every tensor's block in its layout, on the device that holds the most
-(under a pipeline, the pp rank whose stages hold the most parameters). Activations are what
+(under a pipeline, the pp rank whose stages hold the most parameters); under offload AdamW's
+moments are counted in host memory, not the device's. Activations are what
 reverse-mode autodiff keeps between the forward and the backward of one device's program: the
 sharded executor is traced on shapes alone (``parlay.backends.jax.memory``: no device, no FLOP),
 its collectives replaced by ops of the same local shapes, and JAX's own residual analysis
@@ -36,12 +37,13 @@ class MemoryReport:
 
     params: int
     grads: int
-    optimizer: int
+    optimizer: int  # on the device (0 under offload)
     inputs: int
     activations: int | None  # None: not predicted (``detail`` says why)
     largest: int  # the largest value one op computes, on one device
     unsharded: float  # the share of parameter elements every rank holds whole
     detail: str = ""  # how the activations were counted
+    host: int = 0  # AdamW's moments in host memory (offload)
 
     @property
     def state(self) -> int:
@@ -60,7 +62,8 @@ class MemoryReport:
                 ("peak (sum)", self.peak)]
 
     def to_json(self) -> dict:
-        return {**{k: getattr(self, k) for k in ("params", "grads", "optimizer", "inputs", "activations", "largest")},
+        return {**{k: getattr(self, k) for k in ("params", "grads", "optimizer", "host", "inputs", "activations",
+                                                 "largest")},
                 "peak": self.peak, "unsharded_share": self.unsharded, "detail": self.detail}
 
 
@@ -98,4 +101,6 @@ def memory_report(program: Program, backend: str = "torch") -> MemoryReport:
         activations, largest, detail = activation_bytes(program, backend)
     total = sum(math.prod(s) for s in program.shapes.values())
     whole = sum(math.prod(s) for k, s in program.shapes.items() if not program.layouts[Role.PARAMS][k].spec.axes)
-    return MemoryReport(params, grads, opt, inputs, activations, largest, whole / total if total else 0.0, detail)
+    host, opt = (opt, 0) if program.offload else (0, opt)
+    return MemoryReport(params, grads, opt, inputs, activations, largest, whole / total if total else 0.0, detail,
+                        host)

@@ -59,6 +59,7 @@ class Program:
     pipeline: Pipeline | None = None  # the stages over a pp axis, where the strategy maps 'layers' to one
     remat: Remat = Remat.NONE  # which of each repeated layer's values the backward keeps (core/remat.py)
     precision: Precision = FP32  # the compute dtype, float32 sums and masters, fp16's loss scale (core/precision.py)
+    offload: bool = False  # AdamW's states in host memory between steps (ZeRO-Offload's placement)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -96,7 +97,8 @@ class Program:
         if cached is None:
             cached = make_program(self.model, self.strategy, self.mesh, batch=self.batch // self.microbatches,
                                   optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
-                                  remat=self.remat, precision=self.precision, _stage=self.pipeline is not None)
+                                  remat=self.remat, precision=self.precision, offload=self.offload,
+                                  _stage=self.pipeline is not None)
             object.__setattr__(self, "_micro", cached)
         return cached
 
@@ -104,7 +106,8 @@ class Program:
         """The same program with other settings (``fault``, ``optimizer``, ``batch``, ...), checked again."""
         keep = dict(model=self.model, strategy=self.strategy, mesh=self.mesh, batch=self.batch,
                     optimizer=self.optimizer, model_ref=self.model_ref, fault=self.fault,
-                    microbatches=self.microbatches, remat=self.remat, precision=self.precision)
+                    microbatches=self.microbatches, remat=self.remat, precision=self.precision,
+                    offload=self.offload)
         if self.pipeline is not None:
             keep.update(schedule=self.pipeline.schedule.kind, virtual=self.pipeline.schedule.virtual)
         keep.update(changes)
@@ -186,12 +189,13 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
                  optimizer: OptimizerConfig = OptimizerConfig(), model_ref: str | None = None,
                  fault: Fault | None = None, microbatches: int = 1, schedule: str | None = None,
                  virtual: int | None = None, remat: Remat | str = Remat.NONE,
-                 precision: Precision | str = FP32, _stage: bool = False) -> Program:
+                 precision: Precision | str = FP32, offload: bool = False, _stage: bool = False) -> Program:
     """Resolve and check every layout of ``model`` under ``strategy`` on ``mesh`` for batches of
     ``batch``, run as ``microbatches`` microbatches a step (gradient accumulation; with a
     pipeline axis, the pipeline's microbatches, in the order of ``schedule``, default 1f1b, with
     ``virtual`` stages a rank), each repeated layer's activations kept or recomputed as ``remat``
-    says, computing in ``precision`` (fp32, bf16, fp16: core/precision.py); raises one
+    says, computing in ``precision`` (fp32, bf16, fp16: core/precision.py), AdamW's states in
+    host memory between steps where ``offload``; raises one
     ``ProgramError`` listing every problem. ``_stage``: the
     program of one pipeline stage's microbatch (the pipeline axis is the schedule's, not idle)."""
     model = check_model(model)
@@ -335,7 +339,7 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         pipeline = make_pipeline(model, mesh, pp_axis, schedule=schedule or "1f1b", microbatches=microbatches,
                                  virtual=virtual, batch=batch)
     program = Program(model, strategy, mesh, batch, optimizer, model_ref, fault, decls, inputs, layouts, activations, tr,
-                      microbatches, pipeline, remat, precision)
+                      microbatches, pipeline, remat, precision, bool(offload))
     if microbatches > 1:
         try:
             program.micro  # noqa: B018 (checks the microbatch's shapes against the layouts)
@@ -351,7 +355,8 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
 def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
                  optimizer: OptimizerConfig = OptimizerConfig(), fault: Fault | None = None,
                  microbatches: int = 1, schedule: str | None = None, virtual: int | None = None,
-                 remat: Remat | str = Remat.NONE, precision: Precision | str = FP32) -> Program:
+                 remat: Remat | str = Remat.NONE, precision: Precision | str = FP32,
+                 offload: bool = False) -> Program:
     """``make_program`` from references: a preset or FILE.py:NAME / module:NAME, and built-in
     strategy names or FILE.py:NAME references joined by '+' (the command line's --model and
     --strategy); the program keeps the model's reference, to rebuild it elsewhere."""
@@ -360,4 +365,4 @@ def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,
     model, ref = load_model(model_ref)
     return make_program(model, load_strategy(strategy_ref), mesh, batch=batch, optimizer=optimizer,
                         model_ref=ref or model_ref, fault=fault, microbatches=microbatches, schedule=schedule,
-                        virtual=virtual, remat=remat, precision=precision)
+                        virtual=virtual, remat=remat, precision=precision, offload=offload)

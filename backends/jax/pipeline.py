@@ -52,7 +52,8 @@ def stage_program(program: Program) -> Program:
     pp = program.pipeline.axis
     mesh = Mesh(**{a: (1 if a == pp else n) for a, n in program.mesh.axes})
     return make_program(program.model, program.strategy, mesh, batch=program.batch // program.microbatches,
-                        optimizer=program.optimizer, remat=program.remat, precision=program.precision, _stage=True)
+                        optimizer=program.optimizer, remat=program.remat, precision=program.precision,
+                        offload=program.offload, _stage=True)
 
 
 class PipelinedSession:

@@ -45,6 +45,7 @@ from .remat import jax_checkpoint
 __all__ = ["Mode", "JaxBackend", "JaxSession", "make_optimizer", "MAX_DEVICES"]
 
 MAX_DEVICES = 64  # fake CPU devices this machine runs in reasonable time
+HOST = "pinned_host"  # where --offload keeps AdamW's states (JAX's host memory kind; the CPU backend has it too)
 
 
 class Mode(enum.Enum):
@@ -83,6 +84,9 @@ class JaxBackend:
             timeout_s: float = 600.0):
         self.prepare(program.mesh)
         params = program.init(seed) if params is None else params
+        if program.pipeline is not None and program.offload:
+            raise ValueError("--offload is built for JAX steps without a pipeline so far (the tick loop and the "
+                             "per-stage driver keep AdamW's states on the device): drop --offload or the pp strategy")
         if program.pipeline is not None and self.mode is Mode.EXPLICIT and self.pipeline == "loop":
             from .ticks import JaxLoopSession
 
@@ -224,6 +228,7 @@ class JaxSession:
         """One update; under fp16's loss scale (``scale``), the gradients are unscaled first and a
         step whose gradients are not all finite leaves the state as it was (core/precision.py)."""
         loss, grads = self._loss_and_grads(state["params"], batch, step, scale=scale)
+        state = {"params": state["params"], "opt": self._opt_to(state["opt"], "device")}  # offload: in for the update
         finite = jax.numpy.bool_(True)
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
@@ -236,26 +241,41 @@ class JaxSession:
         if self.mode is not Mode.SINGLE:
             layouts = self.program.layouts[Role.PARAMS]
             params = {k: jax.lax.with_sharding_constraint(v, self._sharding(layouts[k])) for k, v in params.items()}
-        return {"params": params, "opt": opt}, (loss, finite)
+        return {"params": params, "opt": self._opt_to(opt, HOST)}, (loss, finite)
 
     # -- state -----------------------------------------------------------------------------------------
     def init(self, params: Mapping[str, np.ndarray]):
         p = self._place(params, Role.PARAMS)
-        if self.mode is Mode.SINGLE:
-            return {"params": p, "opt": jax.jit(self.tx.init)(p)}
         return {"params": p, "opt": self._init_opt(p)}
 
     def _init_opt(self, params):
-        """Optimizer states made where they live, in the optimizer layouts (works across processes)."""
-        init = lambda p: jax.tree_util.tree_map_with_path(self._place_opt_leaf, self.tx.init(p))
+        """Optimizer states made where they live, in the optimizer layouts (works across processes);
+        under offload, in the host's memory."""
+        if self.mode is Mode.SINGLE:
+            return jax.jit(lambda p: self._opt_to(self.tx.init(p), HOST))(params)
+        init = lambda p: self._opt_to(jax.tree_util.tree_map_with_path(self._place_opt_leaf, self.tx.init(p)), HOST)
         return jax.jit(init)(params)
 
-    def _place_opt_leaf(self, path, leaf):
+    def _opt_sharding(self, path, leaf):
+        if self.mode is Mode.SINGLE:
+            return jax.sharding.SingleDeviceSharding(self.device)
         name = getattr(path[-1], "key", None)
         layouts = self.program.layouts[Role.OPTIMIZER]
         if isinstance(name, str) and name in layouts and leaf.ndim:
-            return jax.lax.with_sharding_constraint(leaf, self._sharding(layouts[name]))
-        return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.jax_mesh, PartitionSpec()))
+            return self._sharding(layouts[name])
+        return NamedSharding(self.jax_mesh, PartitionSpec())
+
+    def _place_opt_leaf(self, path, leaf):
+        return jax.lax.with_sharding_constraint(leaf, self._opt_sharding(path, leaf))
+
+    def _opt_to(self, opt, kind: str):
+        """Under ``--offload`` (``Program.offload``, ZeRO-Offload's placement): AdamW's states
+        moved to memory ``kind`` ("pinned_host" between steps, "device" for the update) inside the
+        jitted step; without offload, as they are."""
+        if not self.program.offload:
+            return opt
+        move = lambda path, leaf: jax.device_put(leaf, self._opt_sharding(path, leaf).with_memory_kind(kind))
+        return jax.tree_util.tree_map_with_path(move, opt)
 
     # -- the Session contract ----------------------------------------------------------------------------
     def _step_args(self, batch):

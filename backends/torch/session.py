@@ -68,6 +68,7 @@ class TorchBackend:
     def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
             timeout_s: float = 600.0, wall_s: float | None = -1):
         self.prepare(program.mesh)
+        _refuse_offload(program)
         pipe = program.pipeline
         if program.remat.value == "selective" and pipe is not None and pipe.schedule.splits_backward:
             raise ValueError(f"--remat selective on torch keeps its saved values for one backward of each layer, and "
@@ -171,6 +172,12 @@ def _adamw_step(opt: torch.optim.AdamW, cfg: OptimizerConfig, updates: int) -> i
         group["lr"] = lr
     opt.step()
     return updates + 1
+
+
+def _refuse_offload(program: Program) -> None:
+    if program.offload:
+        raise ValueError("--offload (AdamW's states in host memory) is built on JAX only so far; torch keeps them "
+                         "with the parameters: run it with --backend jax, or drop --offload")
 
 
 # fp16's dynamic loss scale (core/precision.py), for both sessions: the backward's seed is the
@@ -370,6 +377,7 @@ class TorchSession:
         self.shared = {k for k in self.owned if lay[Role.OPTIMIZER][k] == lay[Role.PARAMS][k]}
         self.master = {k: self.local[k] if k in self.shared else t.requires_grad_(True)
                        for k, t in self._shard(params, Role.OPTIMIZER).items()}
+        _refuse_offload(program)
         self.opt = _adamw(list(self.master.values()), program.optimizer)
         self.scaler = LossScale.of(program.precision)  # fp16's dynamic loss scale (None: no scaling)
         self.count = 0
