@@ -643,8 +643,9 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
                    help="the dtype the ops compute in: fp32, bf16 or fp16 (with dynamic loss scaling); parameters, "
                         "AdamW's states, norms, softmax, the loss and every summing collective stay float32")
     p.add_argument("--offload", action="store_true",
-                   help="keep AdamW's states in host memory between steps, moved in for the update (ZeRO-Offload's "
-                        "placement; JAX without a pipeline; with zero1, zero2 or fsdp each device's shard)")
+                   help="keep AdamW's states in host memory (ZeRO-Offload's placement): JAX moves them in for the "
+                        "update, torch steps them there with its fused CPU AdamW; without a pipeline; under zero1, "
+                        "zero2 or fsdp each device's shard")
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "

@@ -68,7 +68,7 @@ class TorchBackend:
     def run(self, program: Program, fn: Callable, *args, params=None, seed: int = 0, on_event=None,
             timeout_s: float = 600.0, wall_s: float | None = -1):
         self.prepare(program.mesh)
-        _refuse_offload(program)
+        _refuse_offloaded_pipeline(program)
         pipe = program.pipeline
         if program.remat.value == "selective" and pipe is not None and pipe.schedule.splits_backward:
             raise ValueError(f"--remat selective on torch keeps its saved values for one backward of each layer, and "
@@ -140,8 +140,22 @@ _DONE = "parlay:done"
 
 # -- the optimizer, shared by both sessions ------------------------------------------------------------
 
-def _adamw(params, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+def _adamw(params, cfg: OptimizerConfig, fused: bool = False) -> torch.optim.AdamW:
+    """``fused``: torch's fused AdamW (on host tensors: its vectorised, multi-threaded CPU kernel,
+    what the offloaded update runs)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             fused=fused or None)
+
+
+def _refuse_offloaded_pipeline(program: Program) -> None:
+    if program.offload and program.pipeline is not None:
+        raise ValueError("--offload is built for steps without a pipeline so far (a stage's states stay on its "
+                         "device): drop --offload or the pp strategy")
+
+
+def _on_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    t = t.detach().to("cpu", copy=True)
+    return t.pin_memory() if pin else t
 
 
 def _clip(norm: torch.Tensor, clip: float) -> torch.Tensor:
@@ -172,12 +186,6 @@ def _adamw_step(opt: torch.optim.AdamW, cfg: OptimizerConfig, updates: int) -> i
         group["lr"] = lr
     opt.step()
     return updates + 1
-
-
-def _refuse_offload(program: Program) -> None:
-    if program.offload:
-        raise ValueError("--offload (AdamW's states in host memory) is built on JAX only so far; torch keeps them "
-                         "with the parameters: run it with --backend jax, or drop --offload")
 
 
 # fp16's dynamic loss scale (core/precision.py), for both sessions: the backward's seed is the
@@ -373,12 +381,18 @@ class TorchSession:
         self.module = ShardedModule(self, self._shard(params, Role.PARAMS))
         self.local = dict(self.module.named_parameters())
         # Where the optimizer layout is the parameter's own, AdamW steps the parameter in place;
-        # elsewhere (ZeRO) it steps a shard of it.
-        self.shared = {k for k in self.owned if lay[Role.OPTIMIZER][k] == lay[Role.PARAMS][k]}
-        self.master = {k: self.local[k] if k in self.shared else t.requires_grad_(True)
+        # elsewhere (ZeRO) it steps a shard of it. Under offload every master is a host copy of
+        # the optimizer's shard, stepped there by torch's fused CPU AdamW.
+        self.offload = program.offload
+        _refuse_offloaded_pipeline(program)
+        self.host = torch.device("cpu")
+        pin = self.device.type == "cuda"  # page-locked: the copies are asynchronous DMA
+        self.shared = set() if self.offload else {k for k in self.owned if lay[Role.OPTIMIZER][k] == lay[Role.PARAMS][k]}
+        self.master = {k: self.local[k] if k in self.shared else
+                       (_on_host(t, pin) if self.offload else t).requires_grad_(True)
                        for k, t in self._shard(params, Role.OPTIMIZER).items()}
-        _refuse_offload(program)
-        self.opt = _adamw(list(self.master.values()), program.optimizer)
+        self.host_grads = {k: _on_host(torch.zeros_like(m), pin) for k, m in self.master.items()} if self.offload else {}
+        self.opt = _adamw(list(self.master.values()), program.optimizer, fused=self.offload)
         self.scaler = LossScale.of(program.precision)  # fp16's dynamic loss scale (None: no scaling)
         self.count = 0
         self.hooks: Hooks | None = None  # observers of the next forward (tests, the bisect)
@@ -523,15 +537,23 @@ class TorchSession:
                 g, layout = grads[k]
                 if k not in self.shared or layout != lay[Role.OPTIMIZER][k]:
                     # the optimizer's own shard (ZeRO), or a gradient that went to its own layout
-                    m.grad = self._move(k, g, layout, lay[Role.OPTIMIZER][k]).clone()
+                    g = self._move(k, g, layout, lay[Role.OPTIMIZER][k])
+                    if self.offload:  # to the host, asynchronously (pinned buffers on CUDA)
+                        m.grad = self.host_grads[k].copy_(g, non_blocking=True)
+                    else:
+                        m.grad = g.clone()
+                else:
+                    g = m.grad
                 opt_layout = lay[Role.OPTIMIZER][k]
                 # the ranks holding this parameter: a pp rank's share, times the pp ranks sharing it
                 holders = mesh.size if pipe is None else mesh.size // mesh.axis_size(pipe.axis) * len(
                     pipe.ranks_of_param(k))
                 copies = holders // int(np.prod([opt_layout.shard_count(d) for d in range(m.ndim)]))
-                sq += torch.dot(m.grad.reshape(-1), m.grad.reshape(-1)).double() / copies
+                sq += torch.dot(g.reshape(-1), g.reshape(-1)).double() / copies
             mark_progress()
             dist.all_reduce(sq)
+            if self.offload and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the gradients are on the host
             if _skip(self.scaler, sq):
                 return loss
             scale = _clip(_norm(self.scaler, sq), cfg.clip) / _unscale(self.scaler)
@@ -540,8 +562,9 @@ class TorchSession:
         self.count = _adamw_step(self.opt, cfg, self.count)
         with torch.no_grad():
             for k, m in self.master.items():
-                if k not in self.shared:
-                    self.local[k].copy_(self._move(k, m.detach(), lay[Role.OPTIMIZER][k], lay[Role.PARAMS][k]))
+                if k not in self.shared:  # (offload: the updated master back to the device first)
+                    self.local[k].copy_(self._move(k, m.detach().to(self.device, non_blocking=True),
+                                                   lay[Role.OPTIMIZER][k], lay[Role.PARAMS][k]))
         return loss
 
     def eval_loss(self, batch) -> float:
@@ -664,9 +687,9 @@ class TorchSession:
         lay, shapes = self.program.layouts, self.program.shapes
         count = 0 if params_only else ckpt.count()
 
-        def block(name, layout, shape):
+        def block(name, layout, shape, device=self.device):
             region = layout.shard_slices(tuple(shape))[self.rank]
-            return torch.from_numpy(ckpt.read(name, region, shape=shape)).to(self.device)
+            return torch.from_numpy(ckpt.read(name, region, shape=shape)).to(device)
 
         with torch.no_grad():
             for k, p in self.local.items():
@@ -674,13 +697,13 @@ class TorchSession:
             for k, m in self.master.items():
                 shape, layout = shapes[k], lay[Role.OPTIMIZER][k]
                 if k not in self.shared:
-                    m.copy_(block(f"params/{k}", layout, shape))
+                    m.copy_(block(f"params/{k}", layout, shape, m.device))
                 if params_only:
                     self.opt.state.pop(m, None)
                     continue
                 self.opt.state[m] = {"step": torch.tensor(float(count)),
-                                     "exp_avg": block(f"opt/mu/{k}", layout, shape),
-                                     "exp_avg_sq": block(f"opt/nu/{k}", layout, shape)}
+                                     "exp_avg": block(f"opt/mu/{k}", layout, shape, m.device),
+                                     "exp_avg_sq": block(f"opt/nu/{k}", layout, shape, m.device)}
         self.count = count
 
     # -- the bisect's recording: every op and plan step gathered to every rank -------------------------------
