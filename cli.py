@@ -236,6 +236,9 @@ def _check_writable_dir(folder: str, what: str) -> None:
         raise UsageError(f"{what}: cannot write in {folder!r} ({e.strerror or e}); choose a writable place") from None
 
 
+COMPARE_BACKENDS = "torch,jax,jax-gspmd,numpy"
+
+
 def _program(args, mesh: Mesh, backends: list[str], **extra):
     """The flags every command that runs the model shares, checked by building its Program:
     model and strategy (presets, built-ins or FILE.py:NAME / module:NAME), sizes, machine limits."""
@@ -250,6 +253,10 @@ def _program(args, mesh: Mesh, backends: list[str], **extra):
                            optimizer=extra.get("optimizer", OptimizerConfig()), microbatches=args.microbatches,
                            schedule=args.schedule, virtual=args.virtual_stages, remat=args.remat,
                            precision=args.precision, offload=args.offload)
+    if program.precision.mixed and "numpy" in backends:
+        flag = "--backends torch,jax,jax-gspmd" if getattr(args, "backends", None) else "--backend torch or jax"
+        raise UsageError(f"--precision {program.precision.name}: the numpy simulator computes in float32 only (numpy's "
+                         f"einsum has no bfloat16); use {flag}, or --precision fp32")
     runs_on = getattr(program.model, "runs_on", None)  # a model written for one framework (NnxModel: JAX)
     refused = [b for b in backends if runs_on and b not in runs_on]
     if refused:
@@ -370,6 +377,10 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
 
     mesh = parse_mesh(args.mesh)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if args.precision != "fp32" and args.backends == COMPARE_BACKENDS:  # the simulator computes in float32 only
+        backends = [b for b in backends if b != "numpy"]
+        console.print(f"--precision {args.precision}: comparing {','.join(backends)} (the numpy simulator computes in "
+                      f"float32 only)", soft_wrap=True)
     known = BACKENDS + ("jax-mpmd",)
     bad = [b for b in backends if b not in known]
     if len(set(backends)) < len(backends):
@@ -421,10 +432,14 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     table.add_row("", *pad, f"params after {args.steps}", *(f"{r.param_diff:.1e}" for r in runs))
     table.add_row("", *pad, "agree", *("yes" if r.agree else "NO" for r in runs))
     console.print(table)
-    console.print(f"tolerance: loss {tol.loss:g} relative, gradients {tol.grad:g} and parameters {tol.param:g} "
-                  f"(per tensor, L2 of the difference over L2 of the reference's gradient / update)" + (
-                      f"; {program.precision.name}: a few of its roundings, each run held to its own framework on "
-                      f"one device" if program.precision.mixed else ""))
+    if program.precision.mixed:
+        console.print(f"tolerance ({program.precision.name}: a few of its roundings; each run held to its own "
+                      f"framework on one device): loss {tol.loss:g} relative, step-1 gradients {tol.grad:g} (per "
+                      f"tensor, L2 of the difference over L2 of the reference's); parameters reported, not judged "
+                      f"(Adam steps a gradient within a rounding of zero either way: compare.Tolerance.of)")
+    else:
+        console.print(f"tolerance: loss {tol.loss:g} relative, gradients {tol.grad:g} and parameters {tol.param:g} "
+                      f"(per tensor, L2 of the difference over L2 of the reference's gradient / update)")
     if args.plot:
         plot_compare(ref, runs, args.plot, title=f"{args.model}, {program.strategy.name} on {mesh}", tol=tol)
         console.print(f"plot written to {args.plot}", soft_wrap=True)
@@ -435,11 +450,13 @@ def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
             if r.bisect is not None:
                 for line in r.bisect.lines():
                     console.print(line, soft_wrap=True)
+            elif r.bisect_note:
+                console.print(r.bisect_note, soft_wrap=True)
     if args.json:
         report = {
             "model": args.model, "strategy": program.strategy.name, "mesh": dict(mesh.axes), "steps": args.steps,
             "batch": args.batch, "seed": args.seed, "reference_backend": ref.name,
-            "tolerance": {"loss": tol.loss, "grad": tol.grad, "param": tol.param},
+            "tolerance": {"loss": tol.loss, "grad": tol.grad, "param": tol.param if math.isfinite(tol.param) else None},
             "reference": {"losses": ref.losses}, "precision": program.precision.name,
             "references": {r.name: {"losses": r.losses} for r in [ref, *ref.others]},
             "backends": {r.name: {"losses": r.losses, "reference": r.reference, "max_rel_loss_diff": r.loss_diff,
@@ -699,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "tolerance, and name where it parts.",
     )
     _add_run_flags(c, steps=5, batch=8, mesh="dp=2,tp=2", strategy="dp+tp")
-    c.add_argument("--backends", default="torch,jax,jax-gspmd,numpy",
+    c.add_argument("--backends", default=COMPARE_BACKENDS,
                    help="which to run against the reference (also jax-mpmd: explicit mode with a pipeline's stages "
                         "as separate programs)")
     c.add_argument("--json", default=None, help="write the report (losses per step, differences) here")

@@ -498,7 +498,7 @@ class ShardedOps:
         if targets.shape != logits.shape[:-1]:
             raise ValueError(f"cross_entropy: targets have shape {targets.shape}; logits {logits.shape} need targets "
                              f"of shape {logits.shape[:-1]} (every dim but the last).")
-        logits = self.complete(logits)
+        (logits,) = self._c(self.complete(logits))  # as DenseOps does: the statistics then widen to float32
         targets = self.redistribute(self.complete(targets), loss_targets_layout(logits.layout, logits.ndim))
         logits, targets = self._align(logits, targets)  # targets gathered from shards vary: the loss does too
         vocab = logits.layout.dim_axes(logits.ndim - 1)

@@ -6,9 +6,10 @@ Model state is exact: every tensor's block in its layout, on the device that hol
 (under a pipeline, the pp rank whose stages hold the most parameters); under offload AdamW's
 moments are counted in host memory, not the device's. Activations are what
 reverse-mode autodiff keeps between the forward and the backward of one device's program: the
-sharded executor is traced on shapes alone (``parlay.backends.jax.memory``: no device, no FLOP),
-its collectives replaced by ops of the same local shapes, and JAX's own residual analysis
-(``saved_residuals``) lists what ``jax.vjp`` would keep, remat policy included. Under a pipeline
+sharded executor is traced on shapes alone (``parlay.backends.jax.memory``, reached by name
+through the backend registry: no device, no FLOP), its collectives replaced by ops of the same
+local shapes, and JAX's own residual analysis (``saved_residuals``) lists what ``jax.vjp`` would
+keep, remat policy included. Under a pipeline
 the stash is the schedule's peak of stage activations (``simulate_schedule``) times one stage's
 microbatch residuals (torch keeps each in-flight microbatch's graph), or its input (JAX's
 pipelines recompute a stage in its backward) plus one stage's residuals.
@@ -88,7 +89,7 @@ def state_bytes(program: Program) -> tuple[int, int, int]:
 def memory_report(program: Program, backend: str = "torch") -> MemoryReport:
     """The per-device memory of one training step of ``program`` on ``backend`` (which matters
     under a pipeline only: see ``activation_bytes``); see the module's docstring."""
-    from ..backends.jax.memory import activation_bytes
+    from .session import get_backend
 
     params, grads, opt = state_bytes(program)
     lay = program.layouts[Role.ACTIVATIONS]
@@ -98,7 +99,8 @@ def memory_report(program: Program, backend: str = "torch") -> MemoryReport:
     if runs_on and "jax" not in runs_on:  # a model the sharded executor does not run (an NNX module)
         activations, largest, detail = None, 0, f"the model runs on {', '.join(runs_on)} only, not the sharded executor"
     else:
-        activations, largest, detail = activation_bytes(program, backend)
+        # JAX's tracer counts them (backends/jax/memory.py), reached by name like every backend
+        activations, largest, detail = get_backend("jax-single").activation_bytes(program, backend)
     total = sum(math.prod(s) for s in program.shapes.values())
     whole = sum(math.prod(s) for k, s in program.shapes.items() if not program.layouts[Role.PARAMS][k].spec.axes)
     host, opt = (opt, 0) if program.offload else (0, opt)

@@ -81,6 +81,14 @@ def test_remat_cuts_the_predicted_activations_to_the_layer_inputs():
     assert act(4, "block") < act(4, "none") / 4
 
 
+def test_accumulation_keeps_one_microbatch():
+    """K microbatches keep a K-th of the activations (one microbatch's at a time): the same as a
+    step of the microbatch's size."""
+    one = memory_report(_program("fsdp", dict(dp=4), microbatches=1), "jax").activations
+    four = memory_report(make_program(GPT(CONFIG), "fsdp", Mesh(dp=4), batch=32, microbatches=4), "jax")
+    assert four.activations == one and "one microbatch of 4" in four.detail
+
+
 def test_the_pipeline_stash_grows_as_the_compiled_tick_loop_does():
     """GPipe holds every microbatch's stage input: from m=2 to m=4 the prediction grows by two
     stage inputs, and so does XLA's temporary bytes of the compiled step; 1F1B stays flat in both."""

@@ -14,6 +14,7 @@ gradients by their own size: the planted dropped all-reduce is shown to fail the
 """
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -151,23 +152,38 @@ def test_every_summing_collective_of_a_bf16_torch_step_sends_float32():
     assert any(e[3] is Source.OP for e in logs[0] if e[0] in SUMS)  # bucketed data-parallel sums counted too
 
 
-def test_the_compiled_bf16_step_on_jax_sums_in_float32():
-    """JAX explicit: the executor's log (at trace time) and XLA's optimised HLO of the whole step
-    (forward, backward, update): no all-reduce or reduce-scatter of a 16-bit type."""
-    from parlay.backends.jax.hlo import parse_collectives
+def _sum_types(stablehlo: str) -> list[str]:
+    """The element type each all-reduce and reduce-scatter of a lowered program sums in (its
+    reduction region's argument type)."""
+    return re.findall(r'stablehlo\.(?:all_reduce|reduce_scatter)".*?\^bb0\(%\w+: tensor<(\w+)>', stablehlo, re.S)
+
+
+def test_the_lowered_bf16_step_on_jax_sums_in_float32():
+    """JAX explicit: the step as lowered, before XLA's passes (the CPU backend would widen a bf16
+    sum itself and hide one): every all-reduce and reduce-scatter of the whole step (forward,
+    backward, update) sums float32, and the executor's log of its plan steps says float32 too.
+    The same check on a step whose widening is removed finds bf16 sums (the check can fail)."""
+    import parlay.core.executor as executor
 
     program = program_from("tiny", "fsdp+tp", Mesh(dp=2, tp=2), batch=8, precision="bf16")
     batch = compare_batches(program, 1, 0)[0]
 
-    def step_hlo(session, batch):
-        return session.step_hlo(batch), [(e.kind, e.dtype) for e in session.log.entries]
+    def lowered(session, batch):
+        text = session._step.lower(session.state, *session._step_args(batch)).as_text()
+        return text, [(e.kind, e.dtype) for e in session.log.entries]
 
-    hlo, log = get_backend("jax").run(program, step_hlo, batch)
+    text, log = get_backend("jax").run(program, lowered, batch)
+    types = _sum_types(text)
+    assert len(types) > 20 and set(types) == {"f32"}, sorted(set(types))
     assert log and {d for k, d in log if k in SUMS} == {"float32"}
-    colls = parse_collectives(hlo, 4)
-    summing = [c for c in colls if c.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER)]
-    assert summing and all(c.itemsize >= 4 for c in summing), [(c.opcode, c.itemsize) for c in summing]
-    assert "bf16" in hlo  # and the step did compute in bf16
+    assert "bf16" in text  # and the step does compute in bf16
+    wide = executor.ShardedOps._wide
+    executor.ShardedOps._wide = lambda self, local: local  # a planted bug: sums in the compute dtype
+    try:
+        text, _ = get_backend("jax").run(program, lowered, batch)
+    finally:
+        executor.ShardedOps._wide = wide
+    assert "bf16" in _sum_types(text)
 
 
 # -- fp16: dynamic loss scaling survives an overflow -------------------------------------------------

@@ -110,7 +110,7 @@ def activation_bytes(program: Program, backend: str = "torch") -> tuple[int, int
     device. ``backend`` matters under a pipeline only: torch keeps each in-flight microbatch's
     autograd graph of its stage, JAX (the tick loop and MPMD) only the stage's input, recomputing
     the stage in its backward."""
-    p = program.micro if program.pipeline is not None else program
+    p = program.micro  # one microbatch: accumulation and pipelines keep one microbatch's values per step of it
     params = _blocks(p, Role.PARAMS, {d.name: d for d in p.decls}, lambda d: jnp.float32)
     inputs = _blocks(p, Role.ACTIVATIONS, dict(p.inputs), lambda d: d.dtype.numpy)
     checkpoint = jax_checkpoint(p.remat)
@@ -126,6 +126,8 @@ def activation_bytes(program: Program, backend: str = "torch") -> tuple[int, int
             detail = f"one microbatch of {program.microbatches} (accumulation keeps one at a time)"
         else:
             detail = "one step"
+        if p.remat.value != "none":
+            detail += f"; remat {p.remat.value}: what it is meant to keep (a compiler may keep recomputed values longer)"
         return kept, _largest(loss, params, inputs), detail
     return _pipelined(program, p, params, inputs, checkpoint, recompute=backend.startswith("jax"))
 

@@ -74,6 +74,12 @@ class JaxBackend:
     def __init__(self, name: str = "jax", mode: str = "explicit", pipeline: str = "loop"):
         self.name, self.mode, self.pipeline = name, Mode(mode), pipeline
 
+    def activation_bytes(self, program: Program, backend: str = "torch") -> tuple[int, int, str]:
+        """What one device of ``program`` keeps for its backward, traced on shapes (core/memory.py)."""
+        from .memory import activation_bytes
+
+        return activation_bytes(program, backend)
+
     def prepare(self, mesh) -> None:
         n = 1 if self.mode is Mode.SINGLE else mesh.size
         if n > MAX_DEVICES:
