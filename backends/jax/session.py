@@ -238,7 +238,7 @@ class JaxSession:
         finite = jax.numpy.bool_(True)
         if scale is not None:
             grads = jax.tree.map(lambda g: g / scale, grads)
-            finite = jax.numpy.isfinite(optax.global_norm(grads))
+            finite = jax.numpy.isfinite(optax.tree.norm(grads))
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = jax.tree.map(lambda p, u: p - lr * u, state["params"], updates)
         if scale is not None:
