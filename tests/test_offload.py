@@ -101,8 +101,8 @@ def _torch_cases(rank, cases):
             losses = [session.step(b) for b in compare_batches(program, 5, 0)]
             masters = {m.device.type for m in session.master.values()}
             fused = {bool(g.get("fused")) for g in session.opt.param_groups}
-            runs.append((losses, session.params(), masters, fused, set(session.master) & set(session.local) and
-                         any(session.master[k] is session.local[k] for k in session.master)))
+            aliased = any(session.master[k] is session.local.get(k) for k in session.master)
+            runs.append((losses, session.params(), masters, fused, aliased))
         out.append(runs)
     return out if rank == 0 else None
 
