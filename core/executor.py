@@ -33,6 +33,7 @@ from .layouts import (attention_layout, bias_layout, embed_layouts, loss_targets
 from .mesh import Mesh
 from .ops import ELEMENTWISE, DropoutKey, LocalOps, LogicalDims, dropout_keep
 from .plan import Plan, plan_redistribute
+from .ring import Ring, SeqOrder, ring_backward, ring_forward
 from .spec import Layout, P
 from .steps import AllGather, AllReduce, AllToAll, LocalSlice, Permute, Step
 
@@ -147,14 +148,16 @@ class ShardedOps:
     parameters in one collective at its first use (FSDP's units); ``training`` turns dropout on,
     with ``rng``'s (seed, step). ``dtype``: mixed precision's compute dtype (core/precision.py):
     floating operands are cast to it where an op computes, after their collectives, and a value
-    in it is widened to float32 for any collective that sums in either direction."""
+    in it is widened to float32 for any collective that sums in either direction. ``order``: the
+    sequence's zigzag layout (core/ring.py), which the ops that see positions follow: causal
+    attention, rotary tables and parameters with a ``seq`` dim."""
 
     def __init__(self, comm: Comm, *, activation: Callable[[LogicalDims, tuple], Layout],
                  compute: Callable[[str], Layout], groups: Mapping[str, str] | None = None,
                  hooks: Hooks | None = None, training: bool = True, rng: DropoutKey | None = None,
-                 dtype: str | None = None):
+                 dtype: str | None = None, order: SeqOrder | None = None):
         self.comm, self.mesh, self.local = comm, comm.mesh, comm.local
-        self.dtype = dtype
+        self.dtype, self.order = dtype, order
         self._activation, self._compute = activation, compute
         self.groups = groups
         self.hooks = hooks or Hooks()
@@ -301,8 +304,23 @@ class ShardedOps:
                 self._done.add(group)
                 self._gather_group(members)
         if name in self._gathered:
-            return self._gathered.pop(name)
-        return self.redistribute(value, self._compute(name))
+            out = self._gathered.pop(name)
+        else:
+            out = self.redistribute(value, self._compute(name))
+        return self._in_order(out, name, dims)
+
+    def _in_order(self, x: Sharded, name: str, dims: LogicalDims) -> Sharded:
+        """A parameter indexed by sequence position (a learned position table), its rows in the
+        zigzag order of the data (a gather: its gradient scatters back)."""
+        if self.order is None or "seq" not in dims:
+            return x
+        d = list(dims).index("seq")
+        if d != 0 or x.layout.dim_axes(0) or x.shape[0] != self.order.seq:
+            raise ValueError(f"parameter {name!r} (dims {tuple(dims)}, shape {x.shape}, used as {x.layout}) is indexed "
+                             f"by sequence position, and the sequence is laid out zigzag over {list(self.order.axes)}: "
+                             f"parlay reorders such a parameter's rows where it is used, which needs 'seq' to be its "
+                             f"first dim, {self.order.seq} long, and whole where used; or use ring_contiguous.")
+        return self._like(x, self.local.take(x.local, self.local.constant(self.order.perm.astype(np.int32))))
 
     def _gather_group(self, members: Sequence[tuple[str, Sharded, LogicalDims]]) -> None:
         """FSDP's flat parameter: the parameters of one group whose plans are each one all-gather
@@ -455,6 +473,12 @@ class ShardedOps:
 
     def rotary(self, x: Sharded, cos: Sharded, sin: Sharded) -> Sharded:
         x = self.complete(x)
+        if self.order is not None:  # the tables' rows in the data's zigzag order
+            if cos.shape[0] != self.order.seq or cos.layout.dim_axes(0) or sin.layout.dim_axes(0):
+                raise ValueError(f"rotary: tables of {cos.shape[0]} positions ({cos.layout}), but the sequence of "
+                                 f"{self.order.seq} is laid out zigzag; give whole tables, one row per position.")
+            perm = self.local.constant(self.order.perm.astype(np.int32))
+            cos, sin = self._like(cos, self.local.take(cos.local, perm)), self._like(sin, self.local.take(sin.local, perm))
         target, table = rotary_layouts(x.layout)
         x = self.redistribute(x, target)
         x, cos, sin = self._c(x, self.redistribute(cos, table), self.redistribute(sin, table))
@@ -471,13 +495,42 @@ class ShardedOps:
                              f"not divisible by {n}; each rank's query heads use its own kv heads, so the kv heads are "
                              f"split like the query heads: use axes that divide {k.shape[2]}, or keep the heads whole.")
         q, k, v = self._c(*self._align(*(self.redistribute(self.complete(t), target) for t in (q, k, v))))
-        return self._like(q, self.local.attention(q.local, k.local, v.local, causal=causal))
+        axes = tuple(a for a in target.dim_axes(1) if self.mesh.axis_size(a) > 1)
+        order = self.order
+        if order is not None and causal and axes != order.axes:
+            raise ValueError(f"attention: the sequence is laid out zigzag over {list(order.axes)}, but attention "
+                             f"splits it over {list(axes) or 'nothing'}; a causal mask needs positions in order: "
+                             f"split the attention's sequence ('attn_seq') over {list(order.axes)}, or use "
+                             f"ring_contiguous (no zigzag).")
+        if not axes:
+            return self._like(q, self.local.attention(q.local, k.local, v.local, causal=causal))
+        return self._like(q, self._ring(q, k, v, Ring(axes, self.mesh.group_size(axes), causal,
+                                                     order is not None and causal, q.shape[1] // target.shard_count(1))))
+
+    def _ring(self, q: Sharded, k: Sharded, v: Sharded, ring: Ring):
+        """Ring attention over the sequence's axes (core/ring.py): one op with its own backward."""
+        comm, L = self.comm, self.local
+
+        def forward(q, k, v):
+            index = comm.axis_index(ring.axes)
+            o, lse = ring_forward(L, lambda t: comm.shift(t, ring.axes), index, ring, q, k, v)
+            return o, (q, k, v, o, lse)
+
+        def backward(res, do):
+            index = comm.axis_index(ring.axes)
+            return ring_backward(L, lambda t: comm.shift(t, ring.axes, backward=True), index, ring, *res, do)
+
+        return comm.custom(forward, backward, q.local, k.local, v.local)
 
     def dropout(self, x: Sharded, rate: float, *, key: str) -> Sharded:
         """The mask is a function of each element's global index: the same on every layout, so
         pending sums keep it too (dropout is linear in x)."""
         if not self.training or rate == 0:
             return x
+        if self.order is not None:
+            raise ValueError(f"dropout ({key!r}, rate {rate}): the sequence is laid out zigzag over "
+                             f"{list(self.order.axes)}, and dropout's bits follow each element's position, which "
+                             f"dropout cannot see here; train without dropout, or use ring_contiguous.")
         local_shape = x.layout.local_shape(x.shape)
         coords = []
         for d, n in enumerate(local_shape):

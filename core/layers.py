@@ -30,6 +30,7 @@ class Dim(str, enum.Enum):
 
     BATCH = "batch"
     SEQ = "seq"  # the sequence in the residual stream (norms, dropout): Megatron SP and Ulysses shard it
+    INPUT_SEQ = "input_seq"  # the sequence of the inputs (token ids, targets): whole under the built-in strategies
     PROJ_SEQ = "proj_seq"  # the sequence at the projections and in the MLP: Megatron SP gathers it
     ATTN_SEQ = "attn_seq"  # the sequence inside attention: whole under Ulysses, which shards heads
     EMBED = "embed"

@@ -39,8 +39,9 @@ def rotary_layouts(x: Layout) -> tuple[Layout, Layout]:
 
 
 def attention_layout(q: Layout) -> Layout:
-    """q, k, v (B, S, H, D): batch and heads split as q's, the sequence and head_dim whole."""
-    return Layout(q.mesh, P(q.dim_axes(0) or None, None, q.dim_axes(2) or None))
+    """q, k, v (B, S, H, D): batch, sequence and heads split as q's, head_dim whole. A split
+    sequence runs ring attention over its axes (core/ring.py): K and V travel, q stays."""
+    return Layout(q.mesh, P(q.dim_axes(0) or None, q.dim_axes(1) or None, q.dim_axes(2) or None))
 
 
 def embed_layouts(table: Layout, tokens: Layout, ndim: int = 2) -> tuple[Layout, Layout]:

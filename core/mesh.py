@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Mapping
 
-__all__ = ["Mesh", "prime_factors"]
+__all__ = ["Mesh", "prime_factors", "ring_pairs"]
 
 
 def prime_factors(n: int) -> tuple[int, ...]:
@@ -217,3 +217,12 @@ class Mesh:
 @lru_cache(maxsize=256)
 def _coord_table(mesh: Mesh) -> tuple[dict[str, int], ...]:
     return tuple(mesh.coords(r) for r in range(mesh.size))
+
+
+def ring_pairs(mesh: Mesh, axes) -> tuple[tuple[int, int], ...]:
+    """(source, destination) ranks of one step around every ring over ``axes``: each member of
+    a group sends to the next one (in the group's order), the last to the first."""
+    out = []
+    for group in mesh.groups(tuple(axes)):
+        out += [(r, group[(k + 1) % len(group)]) for k, r in enumerate(group)]
+    return tuple(out)

@@ -132,6 +132,7 @@ class LocalOps(Protocol):
     def take_last(self, x, ids):
         """``x[..., ids[...]]``: one element of the last dim per leading position."""
     def where(self, mask, x, y): ...
+    def concat(self, xs, dim: int): ...
     def cast(self, x, like):
         """``x`` (bool or int) as ``like``'s float dtype."""
     def astype(self, x, dtype: str):

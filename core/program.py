@@ -22,12 +22,20 @@ from .model import InputDecl, Model, check_model, model_init
 from .pipeline import LAYERS, Pipeline, PipelineError, make_pipeline, pipeline_axis, pipeline_problems
 from .precision import FP32, Precision, parse_precision
 from .remat import Remat, check_remat, parse_remat
+from .ring import SeqOrder
 from .optim import OptimizerConfig
 from .rules import RuleError, Rules
 from .shapes import Trace, trace
 from .spec import Layout, P
 from .loading import load_strategy
 from .strategies import Role, Strategy
+
+SEQ_DIMS = ("seq", "input_seq")  # the logical dims a zigzag layout permutes (core/ring.py)
+
+
+def _seq_dim(d: InputDecl) -> int | None:
+    """The input's sequence dim (named in ``SEQ_DIMS``), or None."""
+    return next((i for i, n in enumerate(d.dims) if n in SEQ_DIMS), None)
 
 __all__ = ["Program", "ProgramError", "make_program", "program_from", "PARAM_ROLES"]
 
@@ -78,6 +86,15 @@ class Program:
             layout = _resolve_one(self.strategy.rules(Role.ACTIVATIONS), dims, self.mesh, f"activation {dims}")
         layout.check(tuple(shape))
         return layout
+
+    @property
+    def seq_order(self) -> SeqOrder | None:
+        """The zigzag layout of the sequence (``Strategy.zigzag``; checked by ``make_program``)."""
+        axes = self.strategy.zigzag
+        if not axes:
+            return None
+        seq = {d.shape[_seq_dim(d)] for d in self.inputs.values() if _seq_dim(d) is not None}
+        return SeqOrder(tuple(axes), self.mesh.group_size(axes), seq.pop())
 
     def compute(self, name: str) -> Layout:
         """Where parameter ``name`` is handed to the model by ``ops.param`` (its compute layout)."""
@@ -333,6 +350,8 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
         why = f"its rules {', '.join(naming)} match no dim of the model; {hint}" if naming else hint
         problems.add(f"mesh axis {a!r} (size {mesh.axis_size(a)}) shards no tensor under strategy {strategy.name!r}, "
                      f"so every rank along it would compute the same thing; {why}")
+    for problem in _check_zigzag(strategy, mesh, inputs, pp_axis):
+        problems.add(problem)
     problems.raise_if_any(headline)
     pipeline = None
     if pp_axis is not None and not _stage:
@@ -350,6 +369,36 @@ def make_program(model: Model, strategy: Strategy | str, mesh: Mesh, *, batch: i
                                    f"must still split over the axes above: use fewer microbatches or a larger "
                                    f"batch"]) from None
     return program
+
+
+def _check_zigzag(strategy: Strategy, mesh: Mesh, inputs: Mapping[str, InputDecl], pp_axis) -> list[str]:
+    """What keeps ``strategy.zigzag`` from laying the sequence out in zigzag order."""
+    axes = strategy.zigzag
+    if not axes:
+        return []
+    missing = [a for a in axes if not mesh.has_axis(a)]
+    if missing:
+        return [f"strategy {strategy.name!r} lays the sequence out zigzag over {list(axes)}, but {mesh} has no axis "
+                f"{missing[0]!r}; add it (e.g. --mesh {missing[0]}=2) or put the strategy on your axis "
+                f"({strategy.name.split('+')[0]}@NAME)"]
+    n = mesh.group_size(axes)
+    seqs = {d.shape[_seq_dim(d)] for d in inputs.values() if _seq_dim(d) is not None}
+    out = []
+    if not seqs:
+        out.append(f"strategy {strategy.name!r} lays the sequence out zigzag, but no input has a dim named "
+                   f"{' or '.join(map(repr, SEQ_DIMS))} (the inputs' dims: "
+                   f"{sorted({str(x) for d in inputs.values() for x in d.dims if x})}); name the sequence dim of "
+                   f"the inputs so, or use ring_contiguous")
+    elif len(seqs) > 1:
+        out.append(f"the inputs' sequence dims have different lengths {sorted(seqs)}; zigzag needs one sequence")
+    elif next(iter(seqs)) % (2 * n):
+        s = next(iter(seqs))
+        out.append(f"zigzag over {list(axes)} ({n} ranks) splits the sequence into {2 * n} chunks, but it has {s} "
+                   f"positions; use a sequence divisible by {2 * n}, or ring_contiguous")
+    if pp_axis is not None:
+        out.append(f"zigzag (strategy {strategy.name!r}) and a pipeline do not combine yet; use ring_contiguous with "
+                   f"pp, or no pipeline")
+    return out
 
 
 def program_from(model_ref: str, strategy_ref: str, mesh: Mesh, *, batch: int,

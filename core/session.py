@@ -18,12 +18,12 @@ import numpy as np
 
 from .executor import Sharded, ShardedOps, group_members
 from .ops import DropoutKey
-from .program import Program
+from .program import Program, _seq_dim
 from .spec import Layout
 from .strategies import Role
 
 __all__ = ["Session", "Backend", "BACKENDS", "get_backend", "sharded_params", "sharded_inputs", "microbatches",
-           "input_values", "check_batch", "make_executor", "scalar_loss", "LossVaries", "RunFailure"]
+           "input_values", "check_batch", "in_order", "make_executor", "scalar_loss", "LossVaries", "RunFailure"]
 
 
 class Session(Protocol):
@@ -140,10 +140,24 @@ def check_batch(program: Program, batch: Mapping[str, np.ndarray]) -> dict[str, 
     return out
 
 
+def in_order(program: Program, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inputs with their ``seq`` dim in the program's zigzag order (core/ring.py), for the
+    explicit lowerings (the executor's ops follow the order); unchanged without one."""
+    order = program.seq_order
+    if order is None:
+        return dict(arrays)
+    out = {}
+    for name, x in arrays.items():
+        d = _seq_dim(program.inputs[name])
+        out[name] = x if d is None else np.take(x, order.perm, axis=d)
+    return out
+
+
 def sharded_inputs(program: Program, batch: Mapping[str, np.ndarray], place: Callable[[np.ndarray, Layout], Any]
                    ) -> dict[str, Sharded]:
-    """``place(global array, layout)`` -> this rank's block, for every input the model declares."""
-    arrays = check_batch(program, batch)
+    """``place(global array, layout)`` -> this rank's block, for every input the model declares
+    (in the program's sequence order)."""
+    arrays = in_order(program, check_batch(program, batch))
     return input_values(program, {k: place(v, program.layouts[Role.ACTIVATIONS][k]) for k, v in arrays.items()})
 
 
@@ -158,7 +172,8 @@ def make_executor(program: Program, comm, params: Mapping[str, Sharded], *, coal
         hooks = dataclasses.replace(hooks, fault=program.fault)  # the caller's Hooks stay as they were
     return ShardedOps(comm, activation=program.activation, compute=program.compute,
                       groups=group_members(params, program.dims) if coalesce else None, hooks=hooks,
-                      training=training, rng=DropoutKey(seed, step, rows=rows), dtype=program.precision.dtype)
+                      training=training, rng=DropoutKey(seed, step, rows=rows), dtype=program.precision.dtype,
+                      order=program.seq_order)
 
 
 def scalar_loss(ops: ShardedOps, loss: Any) -> Any:

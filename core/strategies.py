@@ -6,7 +6,7 @@ gather and reduce-scatter, Megatron's f and g, Ulysses' all-to-alls) follow from
 Short names combine with ``+`` (``"dp+tp"``, ``"fsdp+tp"``, ``"dp+tp_sp"``).
 
 Mesh axes: ``dp`` (data: dp, zero1, zero2, fsdp), ``tp`` (tensor: tp, tp_sp), ``sp`` (sequence:
-ulysses), ``row`` and ``col`` (the two axes of tp2d), ``pp`` (pipeline: pp). ``NAME@AXES`` puts a
+ulysses), ``cp`` (context: ring, ring_contiguous), ``row`` and ``col`` (the two axes of tp2d), ``pp`` (pipeline: pp). ``NAME@AXES`` puts a
 strategy on other axes (``Strategy.on``): ``fsdp@shard``, ``tp2d@x,y``; so two data strategies
 combine over two axes, ``dp@replica+fsdp@shard`` being hybrid sharding (HSDP: parameters sharded
 within a group, replicated across groups; the batch over both).
@@ -42,7 +42,10 @@ class Strategy:
     ``params`` (parameters as stored), ``compute`` (parameters where ``ops.param`` hands them to the
     model; default: as stored; ``Rules()`` gathers them whole, FSDP's pattern), ``activations``
     (the inputs and every ``ops.constrain`` point), ``grads`` (default: as ``params``) and
-    ``optimizer`` (AdamW's states; default: as ``grads``). ``generic``: logical names whose rules may match no tensor of a model (a built-in
+    ``optimizer`` (AdamW's states; default: as ``grads``). ``zigzag``: mesh axes over which the
+    sequence is laid out in zigzag order (core/ring.py: a causal ring attention over them does
+    the same work on every rank; the explicit lowerings permute the inputs' ``seq`` dim once, and
+    positions, causal masks and ``seq``-indexed parameters follow). ``generic``: logical names whose rules may match no tensor of a model (a built-in
     strategy covers the GPT's whole vocabulary, and a model without, say, a vocabulary is fine);
     in a user's strategy every rule must match some tensor (a typo is an error, not a silent
     replication)."""
@@ -53,6 +56,7 @@ class Strategy:
     activations: Rules = Rules()
     optimizer: Rules | None = None
     grads: Rules | None = None
+    zigzag: tuple[str, ...] = ()
     generic: frozenset = field(default=frozenset(), compare=False)
 
     def __post_init__(self):
@@ -69,6 +73,10 @@ class Strategy:
                     raise TypeError(f"Strategy {self.name!r}, {role.value}: {e} Give Rules([...]) or a list of "
                                     f"(logical name, mesh axes) pairs.") from None
         object.__setattr__(self, "generic", frozenset(self.generic))
+        zigzag = (self.zigzag,) if isinstance(self.zigzag, str) else tuple(self.zigzag)
+        if not all(isinstance(a, str) and a.isidentifier() for a in zigzag):
+            raise TypeError(f"Strategy {self.name!r}: zigzag names mesh axes (identifiers), got {self.zigzag!r}.")
+        object.__setattr__(self, "zigzag", zigzag)
 
     def rules(self, role: Role | str) -> Rules:
         role = Role(role)
@@ -85,7 +93,7 @@ class Strategy:
         seen: list[str] = []
         for role in Role:
             seen += [a for a in self.rules(role).axes if a not in seen]
-        return tuple(seen)
+        return tuple(seen) + tuple(a for a in self.zigzag if a not in seen)
 
     @property
     def names(self) -> frozenset:
@@ -111,7 +119,8 @@ class Strategy:
         rename = lambda rules: None if rules is None else Rules(
             [(n, tuple(mapping.get(a, a) for a in ax)) for n, ax in rules.rules])
         return Strategy(f"{self.name}@{','.join(axes)}", **{role.value: rename(getattr(self, role.value))
-                                                             for role in Role}, generic=self.generic)
+                                                             for role in Role}, generic=self.generic,
+                        zigzag=tuple(mapping.get(a, a) for a in self.zigzag))
 
     def __add__(self, other: "Strategy") -> "Strategy":
         shared = set(self.axes) & set(other.axes)
@@ -123,7 +132,7 @@ class Strategy:
         return Strategy(
             f"{self.name}+{other.name}",
             **{role.value: _merge(self.rules(role), other.rules(role)) for role in Role},
-            generic=self.generic | other.generic,
+            generic=self.generic | other.generic, zigzag=self.zigzag + other.zigzag,
         )
 
     def layouts(self, role: Role | str, dims: Mapping[str, Sequence[str | None]], mesh: Mesh,
@@ -160,6 +169,9 @@ def _builtin(name: str, **roles) -> Strategy:
     return Strategy(name, **roles, generic=out.names)
 
 
+_SEQ_NAMES = dict(seq="cp", proj_seq="cp", attn_seq="cp")
+
+
 STRATEGIES: dict[str, Strategy] = {
     "dp": _builtin("dp", activations=_rules(batch="dp")),
     # Optimizer states (zero1), and gradients (zero2), sharded over dp along the embed dim.
@@ -175,6 +187,10 @@ STRATEGIES: dict[str, Strategy] = {
     # between the two).
     "ulysses": _builtin("ulysses", activations=Rules([("seq", "sp"), ("proj_seq", "sp"), ("heads", "sp"),
                                                       ("kv_heads", "sp"), ("heads", None), ("kv_heads", None)])),
+    # Ring attention (context parallel): the sequence split over cp everywhere, attention too (K and
+    # V travel around the ring, core/ring.py), laid out in zigzag order so causal work balances.
+    "ring": _builtin("ring", activations=_rules(**_SEQ_NAMES), zigzag=("cp",)),
+    "ring_contiguous": _builtin("ring_contiguous", activations=_rules(**_SEQ_NAMES)),
     # 2D tensor parallel: weights over both axes, activations batch->row and embed->col.
     # Pipeline: the model's repeated layers over pp (core.pipeline), in the schedule's stages.
     "pp": _builtin("pp", params=_rules(layers="pp")),

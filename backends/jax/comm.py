@@ -14,7 +14,7 @@ from jax import lax
 
 from ...core.executor import Sharded
 from ...core.log import CollectiveLog
-from ...core.steps import Step, collective_bytes
+from ...core.steps import Kind, Step, collective_bytes
 from .collectives import run_step
 from .mesh import AtomMesh
 from .ops import JaxLocal
@@ -79,6 +79,18 @@ class JaxComm:
     def all_gather_many(self, xs, dims, axes):
         names = self.atoms.names(axes)
         return [lax.all_gather(x, names, axis=d, tiled=True) for x, d in zip(xs, dims)]
+
+    def shift(self, x, axes, *, backward: bool = False):
+        names = self.atoms.names(axes)
+        n = self.mesh.group_size(axes)
+        if self.log is not None:
+            self.log.record(Kind.PERMUTE, tuple(axes), x.size * x.dtype.itemsize, backward, dtype=x.dtype)
+        return lax.ppermute(x, names, perm=[(j, (j + 1) % n) for j in range(n)])
+
+    def custom(self, fwd, bwd, *xs):
+        f = jax.custom_vjp(lambda *args: fwd(*args)[0])
+        f.defvjp(fwd, lambda res, g: tuple(bwd(res, g)))
+        return f(*xs)
 
     def check(self, x: Sharded) -> None:
         ours = set(self.atoms.names(x.varying))

@@ -91,6 +91,9 @@ class JaxLocal:
     def where(self, mask, x, y):
         return jnp.where(mask, x, y)
 
+    def concat(self, xs, dim):
+        return jnp.concatenate(list(xs), axis=dim)
+
     def cast(self, x, like):
         return jnp.asarray(x).astype(like.dtype)
 

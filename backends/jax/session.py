@@ -32,7 +32,7 @@ from ...core.precision import LossScale
 from ...core.pieces import Piece, box, piece_key, rank_file
 from ...core.program import Program
 from ...core.remat import remat_loss
-from ...core.session import check_batch, input_values, make_executor, microbatches, scalar_loss, sharded_params
+from ...core.session import check_batch, in_order, input_values, make_executor, microbatches, scalar_loss, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
 from .comm import JaxComm
@@ -139,8 +139,13 @@ class JaxSession:
             return {k: jax.device_put(np.asarray(v), self.device) for k, v in tree.items()}
         return {k: put(v, self._sharding(self.program.layouts[role][k])) for k, v in tree.items()}
 
+    def _ordered(self, arrays):
+        """The explicit lowering's inputs in the sequence order its executor follows (GSPMD's
+        dense ops see the sequence in its own order)."""
+        return in_order(self.program, arrays) if self.mode is Mode.EXPLICIT else arrays
+
     def _place_batch(self, batch):
-        return self._place(check_batch(self.program, batch), Role.ACTIVATIONS)
+        return self._place(self._ordered(check_batch(self.program, batch)), Role.ACTIVATIONS)
 
     def _place_microbatches(self, batch):
         """A step's batch for the jitted step: itself, or its k microbatches stacked on a new
@@ -149,6 +154,7 @@ class JaxSession:
         if p.microbatches == 1:
             return self._place_batch(batch)
         parts = microbatches(p, batch)
+        parts = [(self._ordered(arrays), rows) for arrays, rows in parts]
         stacked = {n: np.stack([arrays[n] for arrays, _ in parts]) for n in p.inputs}
         if self.mode is Mode.SINGLE:
             return {n: jax.device_put(v, self.device) for n, v in stacked.items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...core.executor import Sharded
-from ...core.mesh import Mesh
+from ...core.mesh import Mesh, ring_pairs
 from ...core.sim import step_on_mesh
 from ...core.steps import AllGather, AllReduce, AllToAll, LocalSlice, Permute, ReduceScatter
 from . import autodiff as ad
@@ -120,6 +120,27 @@ class NumpyComm:
 
     def all_gather_many(self, xs, dims, axes) -> list:
         return [self.run_step(AllGather(tuple(axes), d), x, self.mesh) for x, d in zip(xs, dims)]
+
+    def shift(self, x: PerRank, axes, *, backward: bool = False) -> PerRank:
+        """Each rank's block to the next member of its group over ``axes`` (raw: no gradient)."""
+        out = list(x.values)
+        for s, d in ring_pairs(self.mesh, axes):
+            out[d] = x.values[s]
+        return PerRank(out)
+
+    def custom(self, fwd, bwd, *xs: PerRank) -> PerRank:
+        """``fwd`` and ``bwd`` on every rank's plain arrays; one graph node holds the outputs."""
+        out, res = fwd(*(PerRank(np.asarray(ad.value(v)) for v in x.values) for x in xs))
+        leaves = [(i, r, v) for i, x in enumerate(xs) for r, v in enumerate(x.values) if isinstance(v, ad.Var)]
+        if not leaves:
+            return out
+
+        def vjp(g):
+            grads = bwd(res, PerRank(list(g)))
+            return tuple(np.asarray(grads[i].values[r]) for i, r, _ in leaves)
+
+        joint = ad.Var(np.stack([np.asarray(v) for v in out.values]), [v for _, _, v in leaves], vjp)
+        return PerRank(joint[r] for r in range(len(out.values)))
 
     def check(self, x: Sharded) -> None:
         vals = [np.asarray(ad.value(v)) for v in x.local.values]

@@ -78,6 +78,9 @@ class NumpyLocal:
     def where(self, mask, x, y):
         return ad.where(mask, x, y)
 
+    def concat(self, xs, dim):
+        return ad.concat(list(xs), dim)
+
     def cast(self, x, like):
         return np.asarray(ad.value(x)).astype(ad.value(like).dtype)
 
@@ -201,6 +204,10 @@ class PerRankLocal:
 
     def constant(self, value):
         return PerRank([np.asarray(value)] * self.ranks)
+
+    def concat(self, xs, dim):
+        xs = [x if isinstance(x, PerRank) else PerRank([x] * self.ranks) for x in xs]
+        return PerRank(self._local.concat([x.values[r] for x in xs], dim) for r in range(self.ranks))
 
     def vocab_cross_entropy(self, logits, ids, hit, combine):
         return vocab_cross_entropy(self, logits, ids, hit, combine)

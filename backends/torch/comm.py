@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from ...core.log import CollectiveLog
-from .collectives import all_gather_many, all_max, all_reduce, run_step, slice_shared, vary
+from ...core.mesh import ring_pairs
+from ...core.steps import Kind
+from .collectives import _permute, all_gather_many, all_max, all_reduce, run_step, slice_shared, vary
 from .grad_sync import GradSync, vary_param
 from .mesh import TorchMesh
 from .ops import TorchLocal
@@ -46,3 +48,28 @@ class TorchComm:
 
     def check(self, x) -> None:
         pass
+
+    def shift(self, x: torch.Tensor, axes, *, backward: bool = False) -> torch.Tensor:
+        pairs = ring_pairs(self.mesh, axes)
+        if self.log is not None:
+            self.log.record(Kind.PERMUTE, tuple(axes), x.numel() * x.element_size(), backward, dtype=x.dtype)
+        return _permute(x, pairs, self.tm.rank)
+
+    def custom(self, fwd, bwd, *xs):
+        return _Custom.apply(fwd, bwd, *xs)
+
+
+class _Custom(torch.autograd.Function):
+    """An op with its own backward (``Comm.custom``): the residuals stay on ``ctx``."""
+
+    @staticmethod
+    def forward(ctx, fwd, bwd, *xs):
+        out, ctx.res = fwd(*xs)
+        ctx.bwd = bwd
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        grads = ctx.bwd(ctx.res, g)
+        ctx.res = None
+        return (None, None, *grads)

@@ -92,6 +92,9 @@ class TorchLocal:
     def where(self, mask, x, y):
         return torch.where(mask, x, y)
 
+    def concat(self, xs, dim):
+        return torch.cat(list(xs), dim)
+
     def cast(self, x, like):
         return torch.as_tensor(x, device=like.device).to(like.dtype)
 

@@ -32,7 +32,7 @@ class Positions(enum.Enum):
     LEARNED = "learned"  # a learned (seq, embed) table added to the token embeddings (GPT-2)
 
 
-TOKENS = ("batch", None)  # the (B, S) token ids: split like the batch, the sequence whole
+TOKENS = ("batch", "input_seq")  # the (B, S) token ids: split like the batch, the sequence whole (no rule maps it)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def test_the_gpt_meets_the_model_protocol():
     assert isinstance(model, Model) and check_model(model) is model
     inputs = model.inputs(8)
     assert set(inputs) == {"tokens", "targets"} and inputs["tokens"].shape == (8, 16)
-    assert inputs["tokens"].dims == ("batch", None) and inputs["targets"].high == 256
+    assert inputs["tokens"].dims == ("batch", "input_seq") and inputs["targets"].high == 256
     assert model.describe()["kind"] == "gpt"
     with pytest.raises(TypeError, match=r"model is dict, which lacks decls\(\), inputs\(\), loss\(\)"):
         check_model({})
@@ -92,7 +92,8 @@ def test_config_errors(kwargs, match):
 def test_every_strategy_resolves_for_the_tiny_model():
     model = GPT(PRESETS["tiny-gqa"])
     meshes = {"dp": Mesh(dp=4), "zero1": Mesh(dp=4), "zero2": Mesh(dp=4), "fsdp": Mesh(dp=4), "tp": Mesh(tp=4),
-              "tp_sp": Mesh(tp=4), "ulysses": Mesh(sp=4), "tp2d": Mesh(row=2, col=2), "pp": Mesh(pp=2)}
+              "tp_sp": Mesh(tp=4), "ulysses": Mesh(sp=4), "tp2d": Mesh(row=2, col=2), "pp": Mesh(pp=2),
+              "ring": Mesh(cp=4), "ring_contiguous": Mesh(cp=4)}
     assert set(meshes) == set(STRATEGIES)
     for name, mesh in meshes.items():
         p = make_program(model, name, mesh, batch=8)

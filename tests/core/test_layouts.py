@@ -32,8 +32,10 @@ def test_rotary_keeps_head_dim_whole_and_splits_tables_like_seq():
     assert x == Layout(M, P())
 
 
-def test_attention_needs_whole_sequence():
-    assert attention_layout(Layout(M, P("dp", "sp", "tp"))) == Layout(M, P("dp", None, "tp"))
+def test_attention_keeps_a_split_sequence_for_the_ring_and_needs_head_dim_whole():
+    # a split sequence stays split: ring attention over its axes (core/ring.py)
+    assert attention_layout(Layout(M, P("dp", "sp", "tp"))) == Layout(M, P("dp", "sp", "tp"))
+    assert attention_layout(Layout(M, P("dp", None, None, "tp"))) == Layout(M, P("dp"))
 
 
 def test_vocab_parallel_embedding_is_partial():

@@ -153,3 +153,23 @@ def tied_table_two_paths(rank):
     model = GPT(PRESETS["tiny-gpt2-hf"])
     session = TorchSession(make_program(model, strategy, Mesh(x=2, y=2), batch=8), params_for(model))
     return session.loss_and_grads(batch(model.config))
+
+
+def ring_ops(rank, cases):
+    """Ring attention's forward and backward on this rank's blocks (tests/ring_cases.py), and the
+    bytes its shifts sent forward and backward."""
+    import ring_cases as rc
+    from parlay.backends.torch.comm import TorchComm
+    from parlay.backends.torch.mesh import TorchMesh
+    from parlay.backends.torch.ops import TorchLocal
+    from parlay.core.log import CollectiveLog
+
+    out = {}
+    for case in cases:
+        log = CollectiveLog()
+        comm = TorchComm(TorchMesh(Mesh(case[0])), TorchLocal(), log=log)
+        xs = [torch.from_numpy(rc.block(case, x, rank)) for x in rc.arrays(case)]
+        res = rc.local_run(comm.local, comm, case, *xs)
+        out[rc.key(case)] = ([r.numpy() for r in res], log.bytes(backward=False, source="plan"),
+                             log.bytes(backward=True, source="plan"))
+    return out
