@@ -28,6 +28,9 @@ half of the queries against the whole received block (when it follows). Both con
 (second query half, first K/V half); the other pair is chosen by a select, so every rank runs the
 same program (SPMD: JAX traces one program for all ranks).
 
+Each step waits for the previous one's merge (``LocalOps.barrier``): XLA would otherwise schedule
+the unrolled steps side by side and hold every step's score tile at once (s^2/n per device).
+
 Every statistic (scores, max, log-sum-exp, the merged output, dq, dk, dv) is float32; the two
 matmuls of a block take their operands in the inputs' dtype.
 """
@@ -180,7 +183,7 @@ def ring_forward(L, shift: Callable, index, ring: Ring, q, k, v):
         c = R // 2
         (q0, q1), (o0, o1), (l0, l1) = _halves(qg, c), _halves(o, c), _halves(lse, c)
         for i in range(1, ring.n):
-            k, v = shift(k), shift(v)
+            k, v, o0, o1, l0, l1 = L.barrier((shift(k), shift(v), o0, o1, l0, l1))
             (k0, k1), (v0, v1) = _halves(k, c), _halves(v, c)
             o1, l1 = _merge(L, o1, l1, *_block_forward(L, q1, k0, v0, None, scale))  # every rank, every step
             first = index >= i  # the sender precedes this rank: all queries against its first chunk
@@ -193,7 +196,7 @@ def ring_forward(L, shift: Callable, index, ring: Ring, q, k, v):
         o, lse = L.concat([o0, o1], 1), L.concat([l0, l1], 1)
     else:
         for i in range(1, ring.n):
-            k, v = shift(k), shift(v)
+            k, v, o, lse = L.barrier((shift(k), shift(v), o, lse))
             src = _select(L, index >= i, index - i, index - i + ring.n)
             o, lse = _merge(L, o, lse, *_block_forward(L, qg, k, v, _mask(L, ring, index, src, R), scale))
     return L.astype(L.rearrange(o, "b r k g d -> b r (k g) d", {}), _dtype(q)), lse
@@ -204,6 +207,9 @@ def ring_backward(L, shift: Callable, index, ring: Ring, q, k, v, o, lse, do):
     kv_heads, scale = k.shape[2], 1.0 / float(np.sqrt(q.shape[-1]))
     qg, og, dog = (_grouped(L, t, kv_heads) for t in (q, o, do))
     delta = L.sum(L.astype(dog, "float32") * L.astype(og, "float32"), -1, keepdim=True)
+    # The tiles wait for the output's gradient: from the residuals alone XLA would compute every
+    # layer's probabilities as early as the forward and keep them all (s^2/n a layer).
+    qg, k, v, lse, dog, delta = L.barrier((qg, k, v, lse, dog, delta))
     R = q.shape[1]
     dq, dk, dv = _block_backward(L, qg, k, v, dog, lse, delta, _mask(L, ring, index, index, R), scale)
     if ring.zigzag and ring.causal:
@@ -212,6 +218,7 @@ def ring_backward(L, shift: Callable, index, ring: Ring, q, k, v, o, lse, do):
         (dq0, dq1), (dk0, dk1), (dv0, dv1) = _halves(dq, c), _halves(dk, c), _halves(dv, c)
         for i in range(1, ring.n):
             k, v, dk0, dk1, dv0, dv1 = (shift(t) for t in (k, v, dk0, dk1, dv0, dv1))
+            k, v, dk0, dk1, dv0, dv1, dq0, dq1 = L.barrier((k, v, dk0, dk1, dv0, dv1, dq0, dq1))
             (k0, k1), (v0, v1) = _halves(k, c), _halves(v, c)
             gq, gk, gv = _block_backward(L, q1, k0, v0, do1, l1, d1, None, scale)
             dq1, dk0, dv0 = dq1 + gq, dk0 + gk, dv0 + gv
@@ -227,7 +234,7 @@ def ring_backward(L, shift: Callable, index, ring: Ring, q, k, v, o, lse, do):
         dq, dk, dv = L.concat([dq0, dq1], 1), L.concat([dk0, dk1], 1), L.concat([dv0, dv1], 1)
     else:
         for i in range(1, ring.n):
-            k, v, dk, dv = (shift(t) for t in (k, v, dk, dv))
+            k, v, dk, dv, dq = L.barrier(tuple(shift(t) for t in (k, v, dk, dv)) + (dq,))
             src = _select(L, index >= i, index - i, index - i + ring.n)
             gq, gk, gv = _block_backward(L, qg, k, v, dog, lse, delta, _mask(L, ring, index, src, R), scale)
             dq, dk, dv = dq + gq, dk + gk, dv + gv

@@ -94,6 +94,9 @@ class JaxLocal:
     def concat(self, xs, dim):
         return jnp.concatenate(list(xs), axis=dim)
 
+    def barrier(self, xs):
+        return jax.lax.optimization_barrier(xs)
+
     def cast(self, x, like):
         return jnp.asarray(x).astype(like.dtype)
 

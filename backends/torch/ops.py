@@ -95,6 +95,9 @@ class TorchLocal:
     def concat(self, xs, dim):
         return torch.cat(list(xs), dim)
 
+    def barrier(self, xs):
+        return xs  # eager: each step runs when written
+
     def cast(self, x, like):
         return torch.as_tensor(x, device=like.device).to(like.dtype)
 
