@@ -134,9 +134,9 @@ class LocalOps(Protocol):
     def where(self, mask, x, y): ...
     def concat(self, xs, dim: int): ...
     def barrier(self, xs):
-        """``xs`` (a tuple), computed before anything that uses the result: a loop's steps in
-        order (XLA would otherwise schedule an unrolled loop's blocks side by side, each step's
-        temporaries live at once); eager backends return ``xs``."""
+        """``xs`` (a tuple), computed before anything that uses the result: keeps an unrolled
+        loop's steps in order under a compiler (JAX: ``optimization_barrier``); eager backends
+        return ``xs``."""
     def cast(self, x, like):
         """``x`` (bool or int) as ``like``'s float dtype."""
     def astype(self, x, dtype: str):

@@ -28,8 +28,10 @@ half of the queries against the whole received block (when it follows). Both con
 (second query half, first K/V half); the other pair is chosen by a select, so every rank runs the
 same program (SPMD: JAX traces one program for all ranks).
 
-Each step waits for the previous one's merge (``LocalOps.barrier``): XLA would otherwise schedule
-the unrolled steps side by side and hold every step's score tile at once (s^2/n per device).
+Each step waits for the previous one's merge, and the backward's tiles for the output's gradient
+(``LocalOps.barrier``), so a compiler may not hold two steps' tiles, or compute the backward's
+before it needs them. XLA's CPU backend measured the same temporaries with and without it
+(benchmarks/ring_sequence.py): what grows there is each step's own (s/n)^2 tile.
 
 Every statistic (scores, max, log-sum-exp, the merged output, dq, dk, dv) is float32; the two
 matmuls of a block take their operands in the inputs' dtype.
@@ -207,8 +209,8 @@ def ring_backward(L, shift: Callable, index, ring: Ring, q, k, v, o, lse, do):
     kv_heads, scale = k.shape[2], 1.0 / float(np.sqrt(q.shape[-1]))
     qg, og, dog = (_grouped(L, t, kv_heads) for t in (q, o, do))
     delta = L.sum(L.astype(dog, "float32") * L.astype(og, "float32"), -1, keepdim=True)
-    # The tiles wait for the output's gradient: from the residuals alone XLA would compute every
-    # layer's probabilities as early as the forward and keep them all (s^2/n a layer).
+    # The tiles wait for the output's gradient (from the residuals alone they could be computed,
+    # and kept, as early as the forward).
     qg, k, v, lse, dog, delta = L.barrier((qg, k, v, lse, dog, delta))
     R = q.shape[1]
     dq, dk, dv = _block_backward(L, qg, k, v, dog, lse, delta, _mask(L, ring, index, index, R), scale)
