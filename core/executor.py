@@ -158,6 +158,7 @@ class ShardedOps:
                  dtype: str | None = None, order: SeqOrder | None = None):
         self.comm, self.mesh, self.local = comm, comm.mesh, comm.local
         self.dtype, self.order = dtype, order
+        self._perm = None  # the order's permutation as this backend's constant, made at first use
         self._activation, self._compute = activation, compute
         self.groups = groups
         self.hooks = hooks or Hooks()
@@ -320,7 +321,13 @@ class ShardedOps:
                              f"by sequence position, and the sequence is laid out zigzag over {list(self.order.axes)}: "
                              f"parlay reorders such a parameter's rows where it is used, which needs 'seq' to be its "
                              f"first dim, {self.order.seq} long, and whole where used; or use ring_contiguous.")
-        return self._like(x, self.local.take(x.local, self.local.constant(self.order.perm.astype(np.int32))))
+        return self._rows_in_order(x)
+
+    def _rows_in_order(self, x: Sharded) -> Sharded:
+        """``x`` (whole along dim 0, one row per position) with its rows in the zigzag order."""
+        if self._perm is None:
+            self._perm = self.local.constant(self.order.perm.astype(np.int32))
+        return self._like(x, self.local.take(x.local, self._perm))
 
     def _gather_group(self, members: Sequence[tuple[str, Sharded, LogicalDims]]) -> None:
         """FSDP's flat parameter: the parameters of one group whose plans are each one all-gather
@@ -477,8 +484,7 @@ class ShardedOps:
             if cos.shape[0] != self.order.seq or cos.layout.dim_axes(0) or sin.layout.dim_axes(0):
                 raise ValueError(f"rotary: tables of {cos.shape[0]} positions ({cos.layout}), but the sequence of "
                                  f"{self.order.seq} is laid out zigzag; give whole tables, one row per position.")
-            perm = self.local.constant(self.order.perm.astype(np.int32))
-            cos, sin = self._like(cos, self.local.take(cos.local, perm)), self._like(sin, self.local.take(sin.local, perm))
+            cos, sin = self._rows_in_order(cos), self._rows_in_order(sin)
         target, table = rotary_layouts(x.layout)
         x = self.redistribute(x, target)
         x, cos, sin = self._c(x, self.redistribute(cos, table), self.redistribute(sin, table))

@@ -222,7 +222,12 @@ def _coord_table(mesh: Mesh) -> tuple[dict[str, int], ...]:
 def ring_pairs(mesh: Mesh, axes) -> tuple[tuple[int, int], ...]:
     """(source, destination) ranks of one step around every ring over ``axes``: each member of
     a group sends to the next one (in the group's order), the last to the first."""
+    return _ring_pairs(mesh, tuple(axes))
+
+
+@lru_cache(maxsize=256)
+def _ring_pairs(mesh: Mesh, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     out = []
-    for group in mesh.groups(tuple(axes)):
+    for group in mesh.groups(axes):
         out += [(r, group[(k + 1) % len(group)]) for k, r in enumerate(group)]
     return tuple(out)

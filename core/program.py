@@ -22,20 +22,13 @@ from .model import InputDecl, Model, check_model, model_init
 from .pipeline import LAYERS, Pipeline, PipelineError, make_pipeline, pipeline_axis, pipeline_problems
 from .precision import FP32, Precision, parse_precision
 from .remat import Remat, check_remat, parse_remat
-from .ring import SeqOrder
+from .ring import SEQ_DIMS, SeqOrder, seq_dim
 from .optim import OptimizerConfig
 from .rules import RuleError, Rules
 from .shapes import Trace, trace
 from .spec import Layout, P
 from .loading import load_strategy
 from .strategies import Role, Strategy
-
-SEQ_DIMS = ("seq", "input_seq")  # the logical dims a zigzag layout permutes (core/ring.py)
-
-
-def _seq_dim(d: InputDecl) -> int | None:
-    """The input's sequence dim (named in ``SEQ_DIMS``), or None."""
-    return next((i for i, n in enumerate(d.dims) if n in SEQ_DIMS), None)
 
 __all__ = ["Program", "ProgramError", "make_program", "program_from", "PARAM_ROLES"]
 
@@ -93,8 +86,12 @@ class Program:
         axes = self.strategy.zigzag
         if not axes:
             return None
-        seq = {d.shape[_seq_dim(d)] for d in self.inputs.values() if _seq_dim(d) is not None}
-        return SeqOrder(tuple(axes), self.mesh.group_size(axes), seq.pop())
+        cached = self.__dict__.get("_seq_order")
+        if cached is None:
+            (seq,) = {d.shape[seq_dim(d.dims)] for d in self.inputs.values() if seq_dim(d.dims) is not None}
+            cached = SeqOrder(tuple(axes), self.mesh.group_size(axes), seq)
+            object.__setattr__(self, "_seq_order", cached)
+        return cached
 
     def compute(self, name: str) -> Layout:
         """Where parameter ``name`` is handed to the model by ``ops.param`` (its compute layout)."""
@@ -382,7 +379,7 @@ def _check_zigzag(strategy: Strategy, mesh: Mesh, inputs: Mapping[str, InputDecl
                 f"{missing[0]!r}; add it (e.g. --mesh {missing[0]}=2) or put the strategy on your axis "
                 f"({strategy.name.split('+')[0]}@NAME)"]
     n = mesh.group_size(axes)
-    seqs = {d.shape[_seq_dim(d)] for d in inputs.values() if _seq_dim(d) is not None}
+    seqs = {d.shape[seq_dim(d.dims)] for d in inputs.values() if seq_dim(d.dims) is not None}
     out = []
     if not seqs:
         out.append(f"strategy {strategy.name!r} lays the sequence out zigzag, but no input has a dim named "

@@ -39,14 +39,16 @@ matmuls of a block take their operands in the inputs' dtype.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-__all__ = ["Ring", "SeqOrder", "zigzag_order", "ring_forward", "ring_backward", "ring_positions", "ring_work",
+__all__ = ["Ring", "SeqOrder", "SEQ_DIMS", "seq_dim", "zigzag_order", "ring_forward", "ring_backward", "ring_positions", "ring_work",
            "ring_traffic"]
 
+SEQ_DIMS = ("seq", "input_seq")  # the logical dims of an input that a zigzag layout permutes
 NEG = -1e30  # a masked score: exp(NEG - anything finite) is 0 in float32, and NEG - NEG is no NaN
 
 
@@ -78,9 +80,14 @@ class SeqOrder:
     n: int
     seq: int
 
-    @property
+    @functools.cached_property
     def perm(self) -> np.ndarray:
         return zigzag_order(self.seq, self.n)
+
+
+def seq_dim(dims) -> int | None:
+    """Which of an input's logical ``dims`` is its sequence (named in ``SEQ_DIMS``), or None."""
+    return next((i for i, n in enumerate(dims) if n in SEQ_DIMS), None)
 
 
 def zigzag_order(seq: int, n: int) -> np.ndarray:

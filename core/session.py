@@ -18,7 +18,8 @@ import numpy as np
 
 from .executor import Sharded, ShardedOps, group_members
 from .ops import DropoutKey
-from .program import Program, _seq_dim
+from .program import Program
+from .ring import seq_dim
 from .spec import Layout
 from .strategies import Role
 
@@ -148,7 +149,7 @@ def in_order(program: Program, arrays: Mapping[str, np.ndarray]) -> dict[str, np
         return dict(arrays)
     out = {}
     for name, x in arrays.items():
-        d = _seq_dim(program.inputs[name])
+        d = seq_dim(program.inputs[name].dims)
         out[name] = x if d is None else np.take(x, order.perm, axis=d)
     return out
 

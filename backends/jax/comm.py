@@ -19,7 +19,14 @@ from .collectives import run_step
 from .mesh import AtomMesh
 from .ops import JaxLocal
 
-__all__ = ["JaxComm", "VarianceMismatch"]
+__all__ = ["JaxComm", "VarianceMismatch", "custom_op"]
+
+
+def custom_op(fwd, bwd, *xs):
+    """``Comm.custom`` on JAX: ``fwd(*xs) -> (out, res)``, ``bwd(res, g) -> grads`` as a ``custom_vjp``."""
+    f = jax.custom_vjp(lambda *args: fwd(*args)[0])
+    f.defvjp(fwd, lambda res, g: tuple(bwd(res, g)))
+    return f(*xs)
 
 
 class VarianceMismatch(AssertionError):
@@ -88,9 +95,7 @@ class JaxComm:
         return lax.ppermute(x, names, perm=[(j, (j + 1) % n) for j in range(n)])
 
     def custom(self, fwd, bwd, *xs):
-        f = jax.custom_vjp(lambda *args: fwd(*args)[0])
-        f.defvjp(fwd, lambda res, g: tuple(bwd(res, g)))
-        return f(*xs)
+        return custom_op(fwd, bwd, *xs)
 
     def check(self, x: Sharded) -> None:
         ours = set(self.atoms.names(x.varying))

@@ -26,6 +26,7 @@ from ...core.remat import remat_loss, run_layers
 from ...core.session import input_values, make_executor, scalar_loss, sharded_params
 from ...core.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
 from ...core.strategies import Role
+from .comm import custom_op
 from .ops import JaxLocal
 from .remat import jax_checkpoint
 
@@ -72,9 +73,7 @@ class ShapeComm:
         return x  # the next rank's block: the same shape
 
     def custom(self, fwd, bwd, *xs):
-        f = jax.custom_vjp(lambda *args: fwd(*args)[0])
-        f.defvjp(fwd, lambda res, g: tuple(bwd(res, g)))
-        return f(*xs)
+        return custom_op(fwd, bwd, *xs)
 
     def check(self, x: Sharded) -> None:
         pass
