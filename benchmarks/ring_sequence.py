@@ -4,6 +4,8 @@ tp=8), each on 8 devices. For every sequence length in a doubling grid, the trai
 loss-and-gradient function is compiled on JAX explicit mode (the same core plans as torch) and
 XLA's ``memory_analysis()`` gives one device's bytes: its arguments (parameters, the batch)
 plus its temporaries (activations kept for the backward, the backward's own). Nothing runs.
+The last column is what the ring keeps for its backward, from the memory report (core/memory.py:
+JAX's residual list of the per-device program).
 
 Colossal-AI's claim to compare with (the RSA paper, arXiv 2105.13120, 64 P100s): ring
 self-attention trains on 3.0x longer sequences than tensor parallelism. Their RSA keeps
@@ -50,30 +52,33 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     use_host_devices(8)
     from parlay.core import Mesh, make_program
+    from parlay.core.memory import memory_report
     from parlay.core.models.gpt import GPT, PRESETS
 
     budget = args.budget_mib * 2**20
     print(f"GPT embed {args.embed}, 8 heads, {args.layers} layers, batch {args.batch}, fp32; JAX explicit, 8 devices; "
           f"budget {args.budget_mib:g} MiB per device (arguments + XLA temporaries)")
-    print(f"{'seq':>7} " + " ".join(f"{s + ' MiB':>14}" for s, _ in CASES))
+    print(f"{'seq':>7} " + " ".join(f"{s + ' MiB':>14}" for s, _ in CASES) + f"{'ring kept MiB':>15}")
     longest = {s: 0 for s, _ in CASES}
     seq, rng = args.min_seq, np.random.default_rng(0)
     while seq <= args.max_seq:
         config = dataclasses.replace(PRESETS["tiny"], embed=args.embed, mlp=4 * args.embed, seq=seq,
                                      layers=args.layers, heads=8, kv_heads=8, vocab=256)
-        row = []
+        row, kept = [], ""
         for strategy, axes in CASES:
             if longest[strategy] < seq // 2 and seq > args.min_seq:  # already over budget at half this length
                 row.append(f"{'-':>14}")
                 continue
             program = make_program(GPT(config), strategy, Mesh(axes), batch=args.batch)
+            if strategy == "ring":
+                kept = f"{memory_report(program, 'jax').activations / 2**20:15.1f}"
             batch = {k: rng.integers(0, config.vocab, d.shape).astype(np.int32) for k, d in program.inputs.items()}
             got = device_bytes(program, batch)
             total = got["args"] + got["temp"]
             if total <= budget:
                 longest[strategy] = seq
             row.append(f"{total / 2**20:14.1f}")
-        print(f"{seq:7d} " + " ".join(row), flush=True)
+        print(f"{seq:7d} " + " ".join(row) + kept, flush=True)
         if all(longest[s] < seq for s, _ in CASES):
             break
         seq *= 2
