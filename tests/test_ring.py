@@ -73,6 +73,31 @@ def test_ring_op_equals_full_attention_on_jax(case):
     assert {e.kind for e in log.entries} <= {Kind.PERMUTE}
 
 
+def test_a_custom_op_over_inputs_that_vary_differently_sums_the_invariant_ones_gradient():
+    """``Comm.custom`` on JAX with one input split over x and one replicated (and an axis of size
+    1 that JAX tracks separately): the replicated input's gradient is the sum over x of every
+    rank's share. A random rule set found the case (attention's sequence split over (y=1, x=4)):
+    before, JAX refused the gradient's type."""
+    from parlay.backends.jax.comm import custom_op
+
+    atoms = AtomMesh(Mesh({"x": 4, "y": 1}))
+    x_names, y_names = atoms.names(("x",)), atoms.names(("y",))
+
+    def local(a, b):
+        a = jax.lax.pcast(a, y_names, to="varying")  # varies over y (size 1) as well; b over nothing
+        fwd = lambda a, b: (a * b, (a, b))
+        bwd = lambda res, g: (g * res[1], g * res[0])
+        return custom_op(fwd, bwd, a, b)
+
+    fn = jax.shard_map(local, mesh=atoms.jax_mesh(), in_specs=(PartitionSpec(x_names), PartitionSpec()),
+                       out_specs=PartitionSpec((*x_names, *y_names)))
+    rng = np.random.default_rng(0)
+    a, b, w = rng.standard_normal(8), rng.standard_normal(2), rng.standard_normal(8)
+    da, db = jax.jit(jax.grad(lambda a, b: (fn(a, b) * w).sum(), argnums=(0, 1)))(a, b)
+    np.testing.assert_allclose(da, w * np.tile(b, 4), rtol=1e-6)
+    np.testing.assert_allclose(db, (w * a).reshape(4, 2).sum(0), rtol=1e-6)
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_the_ring_sends_an_all_gathers_volume_of_k_and_v_forward(n):
     """2 (n-1)/n s d_kv b elements per rank per attention, written out from the formula."""

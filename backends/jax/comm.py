@@ -23,9 +23,23 @@ __all__ = ["JaxComm", "VarianceMismatch", "custom_op"]
 
 
 def custom_op(fwd, bwd, *xs):
-    """``Comm.custom`` on JAX: ``fwd(*xs) -> (out, res)``, ``bwd(res, g) -> grads`` as a ``custom_vjp``."""
+    """``Comm.custom`` on JAX: ``fwd(*xs) -> (out, res)``, ``bwd(res, g) -> grads`` as a ``custom_vjp``.
+
+    Inside ``shard_map`` a ``custom_vjp``'s gradients must vary over exactly the axes of their
+    inputs. The inputs are first made to vary alike (a ``pcast``, whose transpose sums the
+    gradient back over the axes an input did not vary over), so the gradients, computed from all
+    of them, vary as the inputs do. The executor's account can call a value varying over a size-1
+    axis where JAX does not (``_vary_to``): this is where that difference would otherwise show.
+    """
+    union = frozenset().union(*(_vma(x) for x in xs))
+    xs = tuple(lax.pcast(x, tuple(sorted(union - _vma(x))), to="varying") if union - _vma(x) else x for x in xs)
+
+    def fit(g):  # a gradient computed from invariant residuals only: make it vary like its input
+        missing = tuple(sorted(union - _vma(g)))
+        return lax.pcast(g, missing, to="varying") if missing else g
+
     f = jax.custom_vjp(lambda *args: fwd(*args)[0])
-    f.defvjp(fwd, lambda res, g: tuple(bwd(res, g)))
+    f.defvjp(fwd, lambda res, g: tuple(fit(d) for d in bwd(res, g)))
     return f(*xs)
 
 
