@@ -6,7 +6,8 @@ gather and reduce-scatter, Megatron's f and g, Ulysses' all-to-alls) follow from
 Short names combine with ``+`` (``"dp+tp"``, ``"fsdp+tp"``, ``"dp+tp_sp"``).
 
 Mesh axes: ``dp`` (data: dp, zero1, zero2, fsdp), ``tp`` (tensor: tp, tp_sp), ``sp`` (sequence:
-ulysses), ``cp`` (context: ring, ring_contiguous), ``row`` and ``col`` (the two axes of tp2d), ``pp`` (pipeline: pp). ``NAME@AXES`` puts a
+ulysses), ``cp`` (context: ring, ring_contiguous), ``row`` and ``col`` (the two axes of tp2d; tp2.5d adds ``dep``), ``x``, ``y``, ``z``
+(tp3d's cube), ``pp`` (pipeline: pp). ``NAME@AXES`` puts a
 strategy on other axes (``Strategy.on``): ``fsdp@shard``, ``tp2d@x,y``; so two data strategies
 combine over two axes, ``dp@replica+fsdp@shard`` being hybrid sharding (HSDP: parameters sharded
 within a group, replicated across groups; the batch over both).
@@ -117,7 +118,7 @@ class Strategy:
             raise ValueError(f"strategy {self.name}@{','.join(map(str, axes))}: " + "; ".join(problems) + ".")
         mapping = dict(zip(own, axes))
         rename = lambda rules: None if rules is None else Rules(
-            [(n, tuple(mapping.get(a, a) for a in ax)) for n, ax in rules.rules])
+            [(n, tuple(mapping.get(a, a) for a in ax)) for n, ax in rules.rules], flax_order=rules.flax_order)
         return Strategy(f"{self.name}@{','.join(axes)}", **{role.value: rename(getattr(self, role.value))
                                                              for role in Role}, generic=self.generic,
                         zigzag=tuple(mapping.get(a, a) for a in self.zigzag))
@@ -146,13 +147,29 @@ class Strategy:
 
 
 def _merge(a: Rules, b: Rules) -> Rules:
-    """Both rule sets; where both shard a name, first the two axes together (a major)."""
-    joint = []
+    """Both rule sets; where both shard a name, first the two axes together (a major).
+
+    Under Flax's order (rule by rule, as ``tp3d``'s activations resolve: ``mlp -> y`` is applied
+    before ``batch -> (x, y)`` so that the batch falls back to ``(x, z)`` in the hidden layer),
+    where a rule stands decides which dim gets an axis first. So the joint rules of a name go where
+    the Flax-ordered set first names it, its own rules keep their places, and the other set's
+    rules follow as fallbacks."""
+    joints = {}
     for name, axes in a.rules:
         for name2, axes2 in b.rules:
             if name == name2 and axes and axes2:
-                joint.append((name, axes + axes2))
-    return Rules(joint) + a + b
+                joints.setdefault(name, []).append((name, axes + axes2))
+    if not (a.flax_order or b.flax_order):
+        return Rules([r for rs in joints.values() for r in rs]) + a + b
+    ordered, other = (a, b) if a.flax_order else (b, a)
+    out, placed = [], set()
+    for name, axes in ordered.rules:
+        if name not in placed:
+            out += joints.get(name, [])
+            placed.add(name)
+        out.append((name, axes))
+    out += [r for name, rs in joints.items() if name not in placed for r in rs]
+    return Rules(out + list(other.rules), flax_order=True)
 
 
 def _rules(**mapping) -> Rules:
@@ -170,6 +187,10 @@ def _builtin(name: str, **roles) -> Strategy:
 
 
 _SEQ_NAMES = dict(seq="cp", proj_seq="cp", attn_seq="cp")
+# 2D (SUMMA's layouts): a weight [in over row, out over col], activations [batch over row, features
+# over col]; the einsum rule gathers the input over col and the weight over row.
+_TP2D_PARAMS = dict(embed="row", heads="col", kv_heads="col", mlp="col", vocab="col")
+_TP2D_FEATURES = dict(embed="col", heads="col", kv_heads="col", mlp="col", vocab="col")
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -194,9 +215,27 @@ STRATEGIES: dict[str, Strategy] = {
     # 2D tensor parallel: weights over both axes, activations batch->row and embed->col.
     # Pipeline: the model's repeated layers over pp (core.pipeline), in the schedule's stages.
     "pp": _builtin("pp", params=_rules(layers="pp")),
-    "tp2d": _builtin("tp2d", params=_rules(embed="row", heads="col", kv_heads="col", mlp="col", vocab="col"),
-                     activations=_rules(batch="row", embed="col", heads="col", kv_heads="col", mlp="col",
-                                        vocab="col")),
+    "tp2d": _builtin("tp2d", params=_rules(**_TP2D_PARAMS), activations=_rules(batch="row", **_TP2D_FEATURES)),
+    # 2.5D (Tesseract): tp2d on each of dep layers, the batch split over (row, dep); the weights are
+    # replicated over dep, so their gradients are summed there. Tesseract orders the batch's blocks
+    # (dep, row); that order is only a labelling of blocks (the same bytes), and XLA's SPMD
+    # partitioner computes a wrong input gradient for it (tests/jax/test_xla_known_bugs.py).
+    "tp2.5d": _builtin("tp2.5d", params=_rules(**_TP2D_PARAMS),
+                       activations=_rules(batch=("row", "dep"), **_TP2D_FEATURES)),
+    # 3D (Colossal-AI's Linear3D) on a q x q x q cube (x, y, z): the residual stream (batch, embed)
+    # is split ((y, z), x), a layer's hidden (batch, mlp or heads) ((y, x), z): each linear gathers
+    # its input over the axis of its output's features, its weight over y, and reduce-scatters its
+    # output over the axis it contracted, so consecutive linears swap x and z. A weight is stored
+    # [in over (its input features' axis, y), out over the other]: the dim-order fallbacks give fc1
+    # (embed (x, y), mlp z) and fc2 (mlp (z, y), embed x). The activations resolve in Flax's order
+    # (the feature rules first, so the batch takes (y, x) where z is the features'). Colossal-AI's
+    # (i, j, l) are (y, z, x) here.
+    "tp3d": _builtin("tp3d", params=Rules([(n, a) for n in ("embed", "heads", "kv_heads", "mlp", "vocab")
+                                           for a in (("x" if n == "embed" else "z", "y"),
+                                                     "x" if n == "embed" else "z")]),
+                     activations=Rules([("embed", "x"), ("heads", "z"), ("kv_heads", "z"), ("mlp", "z"),
+                                        ("vocab", "z"), ("batch", ("y", "z")), ("batch", ("y", "x"))],
+                                       flax_order=True)),
 }
 
 

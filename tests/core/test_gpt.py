@@ -93,7 +93,8 @@ def test_every_strategy_resolves_for_the_tiny_model():
     model = GPT(PRESETS["tiny-gqa"])
     meshes = {"dp": Mesh(dp=4), "zero1": Mesh(dp=4), "zero2": Mesh(dp=4), "fsdp": Mesh(dp=4), "tp": Mesh(tp=4),
               "tp_sp": Mesh(tp=4), "ulysses": Mesh(sp=4), "tp2d": Mesh(row=2, col=2), "pp": Mesh(pp=2),
-              "ring": Mesh(cp=4), "ring_contiguous": Mesh(cp=4)}
+              "ring": Mesh(cp=4), "ring_contiguous": Mesh(cp=4), "tp2.5d": Mesh(row=2, col=2, dep=2),
+              "tp3d": Mesh(x=2, y=2, z=2)}
     assert set(meshes) == set(STRATEGIES)
     for name, mesh in meshes.items():
         p = make_program(model, name, mesh, batch=8)
