@@ -22,6 +22,7 @@ A backend provides ``Comm`` (run a plan step with autograd, vary, psum, pmax, ax
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -360,9 +361,27 @@ class ShardedOps:
     def einsum(self, equation: str, *operands: Sharded) -> Sharded:
         plan = plan_einsum(equation, [o.layout for o in operands], [o.shape for o in operands],
                            itemsize=_itemsize(operands[0].local))
+        operands = self._vary_early(plan.operand_plans, operands)
         moved = self._c(*self._align(*(self._run(p, o) for p, o in zip(plan.operand_plans, operands))))
         out = self.local.einsum(equation, *(m.local for m in moved))
         return self._make(out, plan.out, plan.out_shape, moved[0].varying)
+
+    def _vary_early(self, plans: Sequence[Plan], operands: Sequence[Sharded]) -> list[Sharded]:
+        """Operands whose plans gather (the block grows) varied before their plans, over the axes
+        the others will vary over that their own plan does not touch: the backward then sums the
+        gradient over those axes on the block as it was, not the gathered one (2.5D's weight,
+        replicated over dep and gathered over row: its gradient's sum over dep on 1/q the bytes).
+        Plans that sum (an all-reduce) or permute change the variance otherwise: left as they were."""
+        if any(isinstance(s, (AllReduce, Permute)) for p in plans for s in p.steps):
+            return list(operands)
+        touched = [{a.partition(".")[0] for s in p.steps for a in getattr(s, "axes", ())} for p in plans]
+        want = frozenset().union(*(o.varying | t for o, t in zip(operands, touched)))
+        out = []
+        for p, o, t in zip(plans, operands, touched):
+            missing = [a for a in self._needs(want, o.varying) if a not in t]
+            grows = math.prod(p.dst.local_shape(o.shape)) > math.prod(p.src.local_shape(o.shape))
+            out.append(self._vary_to(o, missing) if missing and grows else o)
+        return out
 
     def _same(self, x: Sharded, y: Sharded, op: str) -> tuple[Sharded, Sharded]:
         """Both operands in one layout: x's, complete unless both hold the same pending sums (their
