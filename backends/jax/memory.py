@@ -24,13 +24,14 @@ from ...core.executor import Sharded
 from ...core.program import Program
 from ...core.remat import remat_loss, run_layers
 from ...core.session import input_values, make_executor, scalar_loss, sharded_params
-from ...core.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
+from ...core.log import CollectiveLog, Source
+from ...core.steps import AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, ReduceScatter
 from ...core.strategies import Role
 from .comm import custom_op
 from .ops import JaxLocal
 from .remat import jax_checkpoint
 
-__all__ = ["ShapeComm", "activation_bytes"]
+__all__ = ["ShapeComm", "TrafficComm", "activation_bytes", "collective_traffic"]
 
 
 class ShapeComm:
@@ -77,6 +78,110 @@ class ShapeComm:
 
     def check(self, x: Sharded) -> None:
         pass
+
+
+class TrafficComm(ShapeComm):
+    """``ShapeComm`` that also writes down what rank 0 sends, forward and backward, in a
+    ``CollectiveLog`` as torch's collectives do (backends/torch/collectives.py): each step's
+    backward is its autograd transpose there (an all-gather's a reduce-scatter, a reduce-scatter's
+    an all-gather, an all-to-all's the reverse one, an all-reduce's and a local slice's nothing; a
+    shared value's slice gathers its gradient; ``vary`` sums its gradient, ``psum`` passes its
+    own). The backward records are written when JAX traces the transposes."""
+
+    def __init__(self, mesh, log: CollectiveLog):
+        super().__init__(mesh)
+        self.log = log
+
+    def _logged(self, fwd, x, forward, backward):
+        """``fwd(x)``, recording ``forward(x)`` now and ``backward(g)`` when its transpose is traced:
+        each a list of (kind, axes, bytes, source)."""
+        def note(records, is_backward):
+            for kind, axes, nbytes, source in records:
+                self.log.record(kind, axes, nbytes, is_backward, source, x.dtype)
+
+        @jax.custom_vjp
+        def f(x):
+            return fwd(x)
+
+        def f_fwd(x):
+            return fwd(x), None
+
+        def f_bwd(_, g):
+            note(backward(g), True)
+            return (jax.linear_transpose(fwd, x)(g)[0],)
+
+        f.defvjp(f_fwd, f_bwd)
+        note(forward(x), False)
+        return f(x)
+
+    def run_step(self, step, x, plan_mesh):
+        shape = super().run_step
+        axes = tuple(getattr(step, "axes", ()))
+        n = plan_mesh.group_size(axes) if axes else 1
+        size = lambda t: math.prod(t.shape) * t.dtype.itemsize
+        rec = lambda kind, nbytes: [(kind, axes, nbytes, Source.PLAN)]
+        if isinstance(step, AllGather):
+            fw, bw = (lambda t: rec(Kind.ALL_GATHER, (n - 1) * size(t))), \
+                (lambda g: rec(Kind.REDUCE_SCATTER, (n - 1) * size(g) // n))
+        elif isinstance(step, ReduceScatter):
+            fw, bw = (lambda t: rec(Kind.REDUCE_SCATTER, (n - 1) * size(t) // n)), \
+                (lambda g: rec(Kind.ALL_GATHER, (n - 1) * size(g)))
+        elif isinstance(step, AllToAll):
+            fw = bw = lambda t: rec(Kind.ALL_TO_ALL, (n - 1) * size(t) // n)
+        elif isinstance(step, AllReduce):
+            fw, bw = (lambda t: rec(Kind.ALL_REDUCE, 2 * (n - 1) * size(t) // n)), (lambda g: [])
+        elif isinstance(step, Permute):  # rank 0 sends if it is a source, and its gradient back if a destination
+            sends, gets = any(s == 0 for s, _ in step.pairs), any(d == 0 for _, d in step.pairs)
+            fw = lambda t: [(Kind.PERMUTE, (), size(t) if sends else 0, Source.PLAN)]
+            bw = lambda g: [(Kind.PERMUTE, (), size(g) if gets else 0, Source.PLAN)]
+        else:  # a local slice of a value that varies over its group: nothing either way
+            fw = bw = lambda t: []
+        return self._logged(lambda t: shape(step, t, plan_mesh), x, fw, bw)
+
+    def slice_shared(self, step, x, plan_mesh):
+        n = plan_mesh.group_size(step.axes)
+        return self._logged(lambda t: ShapeComm.run_step(self, step, t, plan_mesh), x, lambda t: [],
+                            lambda g: [(Kind.ALL_GATHER, tuple(step.axes),
+                                        (n - 1) * math.prod(g.shape) * g.dtype.itemsize, Source.PLAN)])
+
+    def vary(self, x, axes, *, param=None):
+        n = self.mesh.group_size(tuple(axes))
+        return self._logged(lambda t: t, x, lambda t: [], lambda g: [(
+            Kind.ALL_REDUCE, tuple(axes), 2 * (n - 1) * math.prod(g.shape) // n * g.dtype.itemsize, Source.OP)])
+
+    def psum(self, x, axes):
+        n = self.mesh.group_size(tuple(axes))
+        return self._logged(lambda t: t, x, lambda t: [(
+            Kind.ALL_REDUCE, tuple(axes), 2 * (n - 1) * math.prod(t.shape) // n * t.dtype.itemsize, Source.OP)],
+            lambda g: [])
+
+    def all_gather_many(self, xs, dims, axes):
+        return [self.run_step(AllGather(tuple(axes), d), x, self.mesh) for x, d in zip(xs, dims)]
+
+    def shift(self, x, axes, *, backward=False):
+        self.log.record(Kind.PERMUTE, tuple(axes), math.prod(x.shape) * x.dtype.itemsize, backward, dtype=x.dtype)
+        return x
+
+
+def collective_traffic(program: Program) -> CollectiveLog:
+    """What rank 0 sends in one ``loss_and_grads`` (forward and backward), traced on shapes: the
+    records torch's collectives log, for any mesh size, without a device. The optimizer's moves
+    (ZeRO's gathers, the clipping norm) are not part of it."""
+    if program.pipeline is not None:
+        raise ValueError(f"collective_traffic: {program.strategy.name!r} runs a pipeline; its traffic is the "
+                         f"schedule's (parlay schedule), not one traced step. Count a program without pp.")
+    p = program.micro
+    params = _blocks(p, Role.PARAMS, {d.name: d for d in p.decls}, lambda d: jnp.float32)
+    inputs = _blocks(p, Role.ACTIVATIONS, dict(p.inputs), lambda d: d.dtype.numpy)
+    log = CollectiveLog()
+
+    def loss(params, batch):
+        sp = sharded_params(p, params)
+        ops = make_executor(p, TrafficComm(p.mesh, log), sp, coalesce=False)
+        return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sp, input_values(p, batch), jax_checkpoint(p.remat)))
+
+    jax.make_jaxpr(jax.grad(loss))(params, inputs)
+    return log
 
 
 def _blocks(program: Program, role: Role, decls, dtype_of):
