@@ -149,8 +149,8 @@ class Strategy:
 def _merge(a: Rules, b: Rules) -> Rules:
     """Both rule sets; where both shard a name, first the two axes together (a major).
 
-    Under Flax's order (rule by rule, as ``tp3d``'s activations resolve: ``mlp -> y`` is applied
-    before ``batch -> (x, y)`` so that the batch falls back to ``(x, z)`` in the hidden layer),
+    Under Flax's order (rule by rule, as ``tp3d``'s activations resolve: ``mlp -> z`` is applied
+    before ``batch -> (y, z)`` so that the batch falls back to ``(y, x)`` in the hidden layer),
     where a rule stands decides which dim gets an axis first. So the joint rules of a name go where
     the Flax-ordered set first names it, its own rules keep their places, and the other set's
     rules follow as fallbacks."""
@@ -187,8 +187,9 @@ def _builtin(name: str, **roles) -> Strategy:
 
 
 _SEQ_NAMES = dict(seq="cp", proj_seq="cp", attn_seq="cp")
-# 2D (SUMMA's layouts): a weight [in over row, out over col], activations [batch over row, features
-# over col]; the einsum rule gathers the input over col and the weight over row.
+# 2D (SUMMA's layouts): weights [embed over row, heads/mlp/vocab over col], activations [batch over
+# row, features over col]. A linear into heads or mlp gathers its input over col and its weight over
+# row; one out of them gathers its weight over row and reduce-scatters its output over col.
 _TP2D_PARAMS = dict(embed="row", heads="col", kv_heads="col", mlp="col", vocab="col")
 _TP2D_FEATURES = dict(embed="col", heads="col", kv_heads="col", mlp="col", vocab="col")
 

@@ -98,8 +98,10 @@ def test_combined_and_renamed_3d_rules_keep_flax_order():
 
 @pytest.mark.parametrize("strategy, label, mesh", [
     ("tp", "1D", {"tp": 8}), ("tp", "1D", {"tp": 64}),
-    ("tp2d", "2D", {"row": 2, "col": 2}), ("tp2d", "2D", {"row": 4, "col": 4}), ("tp2d", "2D", {"row": 2, "col": 4}),
+    ("tp2d", "2D", {"row": 2, "col": 2}), ("tp2d", "2D", {"row": 4, "col": 4}), ("tp2d", "2D", {"row": 8, "col": 8}),
+    ("tp2d", "2D", {"row": 2, "col": 4}),
     ("tp2.5d", "2.5D", {"row": 2, "col": 2, "dep": 2}), ("tp2.5d", "2.5D", {"row": 4, "col": 4, "dep": 2}),
+    ("tp2.5d", "2.5D", {"row": 4, "col": 4, "dep": 4}),
     ("tp3d", "3D", {"x": 2, "y": 2, "z": 2}), ("tp3d", "3D", {"x": 4, "y": 4, "z": 4}),
 ], ids=lambda v: "x".join(map(str, v.values())) if isinstance(v, dict) else v)
 def test_one_linears_bytes_equal_the_formula(strategy, label, mesh):

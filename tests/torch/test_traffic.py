@@ -1,13 +1,13 @@
 """``collective_traffic`` (backends/jax/memory.py: one step traced on shapes, no device) counts
-what torch's collectives send: every plan step of the forward and of the backward, by kind and
-mesh axes, on rank 0, equal in count and bytes, for 1D, 2D, 2.5D and 3D tensor parallelism and
-the data and sequence strategies beside them (8 gloo ranks)."""
+what torch's collectives send: every plan step of the forward and of the backward and every op's
+own sum (``vary``'s gradient sums, ``psum``), by kind and mesh axes, on rank 0, equal in count and
+bytes, for 1D, 2D, 2.5D and 3D tensor parallelism and the data and sequence strategies beside
+them (8 gloo ranks, gradient buckets off so each parameter's sum is one record)."""
 
 import workers
 from parlay import Mesh
 from parlay.backends.jax.memory import collective_traffic
 from parlay.backends.torch.launch import spawn
-from parlay.core.log import Source
 from parlay.core.models.gpt import GPT, PRESETS
 from parlay.core.program import make_program
 
@@ -20,9 +20,10 @@ def _static(strategy, axes):
     log = collective_traffic(make_program(GPT(PRESETS["tiny"]), strategy, Mesh(dict(axes)), batch=8))
     out: dict = {}
     for e in log.entries:
-        if e.source is Source.PLAN and e.kind.value != "local-slice":
-            c, n = out.get((e.kind.value, e.axes, e.backward), (0, 0))
-            out[(e.kind.value, e.axes, e.backward)] = (c + 1, n + e.nbytes)
+        if e.kind.value != "local-slice":
+            key = (e.kind.value, e.axes, e.backward, e.source.value)
+            c, n = out.get(key, (0, 0))
+            out[key] = (c + 1, n + e.nbytes)
     return out
 
 
@@ -32,5 +33,6 @@ def test_traced_traffic_equals_what_torch_sends():
         torch_counts = seen[workers._key(strategy, axes)]
         assert torch_counts, strategy
         if strategy.startswith("tp"):  # 2D, 2.5D, 3D: gathers forward, reduce-scatters backward
-            assert any(backward for _, _, backward in torch_counts), strategy
+            assert any(backward and source == "plan" for _, _, backward, source in torch_counts), strategy
+        assert any(source == "op" for *_, source in torch_counts), strategy
         assert _static(strategy, axes) == torch_counts, strategy

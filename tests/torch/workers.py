@@ -176,21 +176,22 @@ def ring_ops(rank, cases):
 
 
 def step_traffic(rank, preset, cases):
-    """For each (strategy, mesh axes): what this rank's plan steps sent in one forward and backward
-    (no gradient gathering after), as {(kind, axes, backward): (count, bytes)}."""
-    from parlay.core.log import Source
-
+    """For each (strategy, mesh axes): what this rank sent in one forward and backward (no
+    gradient gathering after; no gradient buckets, so each parameter's sum is its own record), as
+    {(kind, axes, backward, source): (count, bytes)}."""
     model = GPT(PRESETS[preset])
     params, b = model.init(0), batch(model.config)
     out = {}
     for strategy, axes in cases:
-        session = TorchSession(make_program(model, strategy, Mesh(dict(axes)), batch=8), params, coalesce=False)
+        session = TorchSession(make_program(model, strategy, Mesh(dict(axes)), batch=8), params, coalesce=False,
+                               bucket_bytes=None)
         session.log.clear()
         session._accumulate(b)
         seen: dict = {}
         for e in session.log.entries:
-            if e.source is Source.PLAN and e.kind.value != "local-slice":
-                c, n = seen.get((e.kind.value, e.axes, e.backward), (0, 0))
-                seen[(e.kind.value, e.axes, e.backward)] = (c + 1, n + e.nbytes)
+            if e.kind.value != "local-slice":
+                key = (e.kind.value, e.axes, e.backward, e.source.value)
+                c, n = seen.get(key, (0, 0))
+                seen[key] = (c + 1, n + e.nbytes)
         out[_key(strategy, axes)] = seen
     return out
