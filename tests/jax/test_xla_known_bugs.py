@@ -1,7 +1,9 @@
 """Wrong results of XLA's SPMD partitioner that parlay's checks found, as minimal reproductions.
 
-Each is marked ``xfail(strict=True)``: it passes (fails as a test) while the installed XLA has the
-bug, and turns into an error the day an upgrade fixes it, so the workaround it documents can go.
+Each asserts the right answer and is marked ``xfail(strict=True)``: while the installed XLA has the
+bug, its assertion fails and pytest reports an expected failure; the day an upgrade fixes it, the
+assertion holds, strict turns that pass into a failure, and the workaround it documents can go.
+A companion test without the mark checks the layout parlay uses instead.
 
 jax 0.10.2 (Shardy on or off), 8 CPU devices on a (row, col, dep) = 2 x 2 x 2 mesh: the gradient of
 ``x @ w`` with ``x`` [batch over (dep, row), features over col] and ``w`` [row, col] is wrong
