@@ -24,7 +24,8 @@ from .core.program import Program, program_from
 from .core.session import get_backend
 
 __all__ = ["TrainSpec", "TrainResult", "StepEvent", "EvalEvent", "CheckpointEvent", "TrainingDiverged", "run_train",
-           "make_train_program", "model_meta", "check_resume", "check_init", "dataset_of"]
+           "make_train_program", "model_meta", "check_resume", "check_init", "dataset_of", "save_checkpoint",
+           "data_digests"]
 
 
 @dataclass(frozen=True)
@@ -269,14 +270,27 @@ def train_loop(session, spec: TrainSpec, resume: str | None, init_from: str | No
             session.emit(EvalEvent(t + 1, ev))
         if spec.checkpoint_dir and spec.checkpoint_every and ((t + 1) % spec.checkpoint_every == 0 or t + 1 == spec.steps):
             tensors, blocks, count = session.checkpoint_tensors()
-            if not all(np.isfinite(a).all() for b in blocks.values() for a in b.values()):
-                raise TrainingDiverged(f"step {t + 1}: the parameters or optimizer states are no longer finite; "
-                                       f"no checkpoint saved (lower --lr)")
-            meta = _meta(spec, program, count, history, dataset_source(data), run["data_sha256"],
-                         getattr(session, "scaler", None))
-            checkpoint.save(spec.checkpoint_dir, t + 1, tensors, blocks, meta, run=run["id"], lead=session.lead,
-                            barrier=session.barrier, keep_last=spec.keep_last, crash_hook=_crash_hook(t + 1))
-            session.emit(CheckpointEvent(t + 1, str(checkpoint.step_dir(spec.checkpoint_dir, t + 1))))
+            path = save_checkpoint(spec, program, t + 1, tensors, blocks, count, history, dataset_source(data),
+                                   run, lead=session.lead, barrier=session.barrier,
+                                   scaler=getattr(session, "scaler", None))
+            session.emit(CheckpointEvent(t + 1, str(path)))
+
+
+def save_checkpoint(spec: TrainSpec, program: Program, step: int, tensors, blocks, count: int, history: dict,
+                    source: str, run: dict, *, lead: bool = True, barrier=lambda: None, scaler=None):
+    """Save the run's state after update ``step`` into ``spec.checkpoint_dir`` (every process
+    calls it with the blocks it holds): tensors and blocks as ``checkpoint.save`` takes them, the
+    update ``count``, the loss ``history`` ({"losses", "evals"}), the dataset's ``source`` and
+    ``run`` ({"id", "data_sha256"}); refused where a block is not finite. Returns the folder."""
+    from . import checkpoint
+
+    if not all(np.isfinite(a).all() for b in blocks.values() for a in b.values()):
+        raise TrainingDiverged(f"step {step}: the parameters or optimizer states are no longer finite; "
+                               f"no checkpoint saved (lower --lr)")
+    meta = _meta(spec, program, count, history, source, run["data_sha256"], scaler)
+    checkpoint.save(spec.checkpoint_dir, step, tensors, blocks, meta, run=run["id"], lead=lead, barrier=barrier,
+                    keep_last=spec.keep_last, crash_hook=_crash_hook(step))
+    return checkpoint.step_dir(spec.checkpoint_dir, step)
 
 
 def run_train(spec: TrainSpec, on_event: Callable = lambda e: None, *, resume=None, init_from=None,

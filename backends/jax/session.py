@@ -42,7 +42,7 @@ from .mesh import AtomMesh, lower_layout, lower_mesh
 from .ops import JaxLocal
 from .remat import jax_checkpoint
 
-__all__ = ["Mode", "JaxBackend", "JaxSession", "make_optimizer", "MAX_DEVICES"]
+__all__ = ["Mode", "JaxBackend", "JaxSession", "make_optimizer", "gspmd_ops", "checkpoint_pieces", "MAX_DEVICES"]
 
 MAX_DEVICES = 64  # fake CPU devices this machine runs in reasonable time
 HOST = "pinned_host"  # where --offload keeps AdamW's states (JAX's host memory kind; the CPU backend has it too)
@@ -64,6 +64,36 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
         optax.scale_by_adam(b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps),
         optax.add_decayed_weights(cfg.weight_decay),
     )
+
+
+def gspmd_ops(program: Program, sharding: Callable[[Layout], NamedSharding], *, training: bool, rng: DropoutKey,
+              dtype: str | None = None) -> DenseOps:
+    """GSPMD mode's ``Ops``: whole arrays, a sharding constraint at each parameter's use (its
+    compute layout) and at each constraint point (the activation layout of its dims)."""
+    wsc = jax.lax.with_sharding_constraint
+    constrain = lambda x, dims: wsc(x, sharding(program.activation(dims, x.shape)))
+    param = lambda name, x, dims: wsc(x, sharding(program.compute(name)))
+    return DenseOps(JaxLocal(), constrain=constrain, param=param, training=training, rng=rng, dtype=dtype)
+
+
+def checkpoint_pieces(named, jax_mesh) -> tuple[list, dict]:
+    """A checkpoint's tensors and this process's blocks from global arrays, each
+    ``(name, array, layout)``: one piece per distinct block (replica 0, in the file of the mesh
+    rank whose device holds it), from the arrays' own shards."""
+    rank_of = {d.id: r for r, d in enumerate(jax_mesh.devices.flat)}
+    tensors, blocks = [], {}
+    for name, arr, layout in named:
+        pieces: dict = {}
+        for dev, index in arr.sharding.devices_indices_map(arr.shape).items():
+            start, stop = b = box(index, arr.shape)
+            if b not in pieces:
+                pieces[b] = Piece(rank_file(rank_of[dev.id]), piece_key(name, start), start, stop)
+        for shard in arr.addressable_shards:
+            piece = pieces[box(shard.index, arr.shape)]
+            if piece.file == rank_file(rank_of[shard.device.id]):
+                blocks.setdefault(piece.file, {})[piece.key] = np.asarray(shard.data)
+        tensors.append((name, tuple(arr.shape), str(layout), list(pieces.values())))
+    return tensors, blocks
 
 
 class JaxBackend:
@@ -170,11 +200,7 @@ class JaxSession:
         dtype = self.program.precision.dtype
         if self.mode is Mode.SINGLE:
             return DenseOps(JaxLocal(), training=training, rng=rng, dtype=dtype)
-        p = self.program
-        wsc = jax.lax.with_sharding_constraint
-        constrain = lambda x, dims: wsc(x, self._sharding(p.activation(dims, x.shape)))
-        param = lambda name, x, dims: wsc(x, self._sharding(p.compute(name)))
-        return DenseOps(JaxLocal(), constrain=constrain, param=param, training=training, rng=rng, dtype=dtype)
+        return gspmd_ops(self.program, self._sharding, training=training, rng=rng, dtype=dtype)
 
     def _loss(self, params, batch, step, training: bool = True, wrap_ops=None, program: Program | None = None,
               rows=(1, 0)):
@@ -348,24 +374,11 @@ class JaxSession:
             raise ValueError("checkpoints are saved from a sharded run (mode explicit or gspmd), not the single-device "
                              "reference.")
         state, lay = self.state, self.program.layouts
-        rank_of = {d.id: r for r, d in enumerate(self.jax_mesh.devices.flat)}
         named = [(f"params/{k}", v, lay[Role.PARAMS][k]) for k, v in state["params"].items()]
         for kind, name, leaf in self._opt_leaves(state["opt"]):
             if kind != "count":  # the count is self.count (Adam's int32 one saturates)
                 named.append((f"opt/{kind}/{name}", leaf, lay[Role.OPTIMIZER][name]))
-        tensors, blocks = [], {}
-        for name, arr, layout in named:
-            pieces: dict = {}
-            for dev, index in arr.sharding.devices_indices_map(arr.shape).items():
-                start, stop = b = box(index, arr.shape)
-                if b not in pieces:
-                    pieces[b] = Piece(rank_file(rank_of[dev.id]), piece_key(name, start), start, stop)
-            for shard in arr.addressable_shards:
-                piece = pieces[box(shard.index, arr.shape)]
-                if piece.file == rank_file(rank_of[shard.device.id]):
-                    blocks.setdefault(piece.file, {})[piece.key] = np.asarray(shard.data)
-            tensors.append((name, tuple(arr.shape), str(layout), list(pieces.values())))
-        return tensors, blocks, self.count
+        return (*checkpoint_pieces(named, self.jax_mesh), self.count)
 
     def restore(self, ckpt, params_only: bool = False) -> None:
         """Each device's block is read from the pieces it overlaps. ``params_only``: a fresh optimizer."""
