@@ -370,6 +370,29 @@ def _cmd_step(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from .core.program import program_from
+    from .planning import plan_report, print_plan
+
+    for flag in ("batch", "microbatches"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} {getattr(args, flag)} must be positive")
+    check_output_file(args.json, "--json", (".json",))
+    program = program_from(args.model, args.strategy, parse_mesh(args.mesh), batch=args.batch,
+                           microbatches=args.microbatches, schedule=args.schedule, virtual=args.virtual_stages,
+                           remat=args.remat, precision=args.precision, offload=args.offload)
+    report = plan_report(program, args.backend)
+    print_plan(report, console, f"{args.model}, {run_label(program)} on {program.mesh}, batch {args.batch}")
+    print_memory(program, console, args.backend)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace, console: Console) -> int:
     import json
 
@@ -635,14 +658,15 @@ _STRATEGY_HELP = ("built-in strategies joined by '+' (dp, zero1, zero2, fsdp, tp
                   "axes (dp@replica+fsdp@shard: hybrid sharding)")
 
 
-def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: str | None = None,
+def _add_run_flags(p: argparse.ArgumentParser, *, steps: int | None, batch: int, mesh: str | None = None,
                    strategy: str | None = None) -> None:
     """The flags of every command that runs the model (checked by ``_program``); a ``None``
     default makes the flag required."""
     p.add_argument("--model", default="tiny", help=_MODEL_HELP)
     p.add_argument("--mesh", default=mesh, required=mesh is None, help="mesh axes and sizes, e.g. dp=2,tp=4")
     p.add_argument("--strategy", default=strategy, required=strategy is None, help=_STRATEGY_HELP)
-    p.add_argument("--steps", type=int, default=steps, help="training steps (AdamW updates)")
+    if steps is not None:  # parlay plan runs nothing
+        p.add_argument("--steps", type=int, default=steps, help="training steps (AdamW updates)")
     p.add_argument("--batch", type=int, default=batch, help="examples per step (global: split by the strategy)")
     p.add_argument("--microbatches", type=int, default=1, metavar="K",
                    help="run each step's batch as K microbatches of batch/K, their gradients summed before the one "
@@ -663,6 +687,8 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int, batch: int, mesh: 
                    help="keep AdamW's states in host memory (ZeRO-Offload's placement): JAX moves them in for the "
                         "update, torch steps them there with its fused CPU AdamW; without a pipeline; under zero1, "
                         "zero2 or fsdp each device's shard")
+    if steps is None:
+        return
     p.add_argument("--seed", type=int, default=0, help="the parameters' initialisation and the data order")
     p.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="torch: the longest one collective may wait, and a rank may go without a heartbeat, before "
@@ -754,6 +780,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue from the newest checkpoint in --checkpoint-dir (any backend, strategy or mesh) "
                          "to --steps")
     tr.set_defaults(run=_cmd_train)
+    pl = sub.add_parser(
+        "plan", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="what one training step of a strategy sends and holds per device, before anything runs",
+        description="Explain a layout before launch: every collective of one training step on rank 0 (kind, mesh "
+                    "axes, bytes; forward, backward and the optimizer step; per layer and in total), the memory "
+                    "per device (parameters, gradients, AdamW's states, activations, peak), the share of "
+                    "parameters held whole on every rank, a pipeline's bubble. Nothing runs: the step is traced "
+                    "on shapes on this CPU, for any mesh size.",
+    )
+    _add_run_flags(pl, steps=None, batch=8)
+    pl.add_argument("--backend", choices=("torch", "jax"), default="torch",
+                    help="whose pipeline stash the memory counts (torch keeps each in-flight microbatch's graph)")
+    pl.add_argument("--json", default=None, help="write the report here")
+    pl.set_defaults(run=_cmd_plan)
     e = sub.add_parser("export-hf", help="a parlay checkpoint as a Hugging Face folder (GPT-2 or LLaMA)",
                        description="Write a checkpoint's parameters as config.json + model.safetensors that "
                                    "transformers loads (GPT2LMHeadModel or LlamaForCausalLM, by the model's options).")

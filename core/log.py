@@ -7,12 +7,19 @@ from dataclasses import dataclass, field
 
 from .steps import Kind
 
-__all__ = ["Source", "CollectiveRecord", "CollectiveLog"]
+__all__ = ["Source", "CollectiveRecord", "CollectiveLog", "layer_of"]
 
 
 class Source(enum.Enum):
     PLAN = "plan"  # a step of a redistribution plan
     OP = "op"  # an op's own reduction (norm statistics, the loss), vary's sum, a gradient bucket
+
+
+def layer_of(param: str) -> str:
+    """The layer a parameter belongs to, by its dotted name: a numbered group's first two parts
+    (``blocks.3.attn.wq`` -> ``blocks.3``), else the first (``embed.table`` -> ``embed``)."""
+    parts = param.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 and parts[1].isdigit() else parts[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +30,7 @@ class CollectiveRecord:
     backward: bool = False
     source: Source = Source.PLAN
     dtype: str = ""  # what was sent ("float32", "bfloat16", ...; mixed precision's sums must be float32)
+    where: str = ""  # the layer it belongs to ("blocks.3", "embed"; traced counts only: ``layer_of``)
 
 
 @dataclass
@@ -30,9 +38,9 @@ class CollectiveLog:
     entries: list = field(default_factory=list)
 
     def record(self, kind: Kind, axes, nbytes: int, backward: bool = False, source: Source | str = Source.PLAN,
-               dtype: object = "") -> None:
+               dtype: object = "", where: str = "") -> None:
         name = str(dtype).removeprefix("torch.")
-        self.entries.append(CollectiveRecord(kind, tuple(axes), int(nbytes), backward, Source(source), name))
+        self.entries.append(CollectiveRecord(kind, tuple(axes), int(nbytes), backward, Source(source), name, where))
 
     def clear(self) -> None:
         self.entries.clear()

@@ -24,14 +24,14 @@ from ...core.executor import Sharded
 from ...core.program import Program
 from ...core.remat import remat_loss, run_layers
 from ...core.session import input_values, make_executor, scalar_loss, sharded_params
-from ...core.log import CollectiveLog, Source
+from ...core.log import CollectiveLog, Source, layer_of
 from ...core.steps import AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, ReduceScatter
 from ...core.strategies import Role
 from .comm import custom_op
 from .ops import JaxLocal
 from .remat import jax_checkpoint
 
-__all__ = ["ShapeComm", "TrafficComm", "activation_bytes", "collective_traffic"]
+__all__ = ["ShapeComm", "TrafficComm", "Scoped", "activation_bytes", "collective_traffic"]
 
 
 class ShapeComm:
@@ -91,13 +91,16 @@ class TrafficComm(ShapeComm):
     def __init__(self, mesh, log: CollectiveLog):
         super().__init__(mesh)
         self.log = log
+        self.where = ""  # the layer whose parameter was used last (``Scoped``): the records' ``where``
 
     def _logged(self, fwd, x, forward, backward):
         """``fwd(x)``, recording ``forward(x)`` now and ``backward(g)`` when its transpose is traced:
-        each a list of (kind, axes, bytes, source)."""
+        each a list of (kind, axes, bytes, source), both under the layer the forward ran in."""
+        where = self.where
+
         def note(records, is_backward):
             for kind, axes, nbytes, source in records:
-                self.log.record(kind, axes, nbytes, is_backward, source, x.dtype)
+                self.log.record(kind, axes, nbytes, is_backward, source, x.dtype, where)
 
         @jax.custom_vjp
         def f(x):
@@ -159,8 +162,25 @@ class TrafficComm(ShapeComm):
         return [self.run_step(AllGather(tuple(axes), d), x, self.mesh) for x, d in zip(xs, dims)]
 
     def shift(self, x, axes, *, backward=False):
-        self.log.record(Kind.PERMUTE, tuple(axes), math.prod(x.shape) * x.dtype.itemsize, backward, dtype=x.dtype)
+        self.log.record(Kind.PERMUTE, tuple(axes), math.prod(x.shape) * x.dtype.itemsize, backward, dtype=x.dtype,
+                        where=self.where)
         return x
+
+
+class Scoped:
+    """The executor, each parameter's use telling ``comm`` which layer the next collectives
+    belong to (``layer_of`` its name): a collective after a layer's last parameter and before the
+    next layer's first (its residual's constraint) counts in that layer; the loss in the head's."""
+
+    def __init__(self, ops, comm: TrafficComm):
+        self._ops, self._comm = ops, comm
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def param(self, name, value, dims):
+        self._comm.where = layer_of(name)
+        return self._ops.param(name, value, dims)
 
 
 def collective_traffic(program: Program) -> CollectiveLog:
@@ -177,8 +197,10 @@ def collective_traffic(program: Program) -> CollectiveLog:
 
     def loss(params, batch):
         sp = sharded_params(p, params)
-        ops = make_executor(p, TrafficComm(p.mesh, log), sp, coalesce=False)
-        return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sp, input_values(p, batch), jax_checkpoint(p.remat)))
+        comm = TrafficComm(p.mesh, log)
+        ops = make_executor(p, comm, sp, coalesce=False)
+        loss = remat_loss(p.model, p.remat, Scoped(ops, comm), sp, input_values(p, batch), jax_checkpoint(p.remat))
+        return scalar_loss(ops, loss)
 
     jax.make_jaxpr(jax.grad(loss))(params, inputs)
     return log

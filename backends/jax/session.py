@@ -110,6 +110,13 @@ class JaxBackend:
 
         return activation_bytes(program, backend)
 
+    def collective_traffic(self, program: Program) -> CollectiveLog:
+        """What rank 0 sends in one forward and backward of ``program``, traced on shapes
+        (backends/jax/memory.py): no device, any mesh size."""
+        from .memory import collective_traffic
+
+        return collective_traffic(program)
+
     def prepare(self, mesh) -> None:
         n = 1 if self.mode is Mode.SINGLE else mesh.size
         if n > MAX_DEVICES:

@@ -175,23 +175,27 @@ def ring_ops(rank, cases):
     return out
 
 
+def traffic_counts(entries) -> dict:
+    """Log entries as {(kind, axes, backward, source): (count, bytes)}, local slices left out."""
+    seen: dict = {}
+    for e in entries:
+        if e.kind.value != "local-slice":
+            key = (e.kind.value, e.axes, e.backward, e.source.value)
+            c, n = seen.get(key, (0, 0))
+            seen[key] = (c + 1, n + e.nbytes)
+    return seen
+
+
 def step_traffic(rank, preset, cases):
-    """For each (strategy, mesh axes): what this rank sent in one forward and backward (no
-    gradient gathering after; no gradient buckets, so each parameter's sum is its own record), as
-    {(kind, axes, backward, source): (count, bytes)}."""
+    """For each (strategy, mesh axes): what this rank sent in one training step (forward,
+    backward and the optimizer step's moves; no gradient buckets, so each parameter's sum is its
+    own record), as ``traffic_counts``."""
     model = GPT(PRESETS[preset])
     params, b = model.init(0), batch(model.config)
     out = {}
     for strategy, axes in cases:
         session = TorchSession(make_program(model, strategy, Mesh(dict(axes)), batch=8), params, coalesce=False,
                                bucket_bytes=None)
-        session.log.clear()
-        session._accumulate(b)
-        seen: dict = {}
-        for e in session.log.entries:
-            if e.kind.value != "local-slice":
-                key = (e.kind.value, e.axes, e.backward, e.source.value)
-                c, n = seen.get(key, (0, 0))
-                seen[key] = (c + 1, n + e.nbytes)
-        out[_key(strategy, axes)] = seen
+        session.step(b)  # clears the log first: this step's collectives only
+        out[_key(strategy, axes)] = traffic_counts(session.log.entries)
     return out

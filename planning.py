@@ -1,0 +1,143 @@
+"""``parlay plan``: what one training step of a program sends and holds, before anything runs.
+
+The collectives are counted on rank 0 without a device: the forward and backward by tracing the
+sharded executor on shapes (``collective_traffic``, the JAX backend's tracer, reached by name
+through the registry), the optimizer step from its plans (``core/traffic.py``); together they are
+the records torch's session logs in ``step`` without gradient buckets (tests/torch/test_traffic.py
+checks them equal, strategy by strategy). Each record is counted under the layer it belongs to
+(``core/log.py: layer_of``). Memory is ``core/memory.py``'s report; a pipeline's bubble is its
+schedule's (``simulate_schedule``, equal stage costs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .core.log import CollectiveLog, CollectiveRecord, layer_of
+from .core.memory import MemoryReport, memory_report
+from .core.program import Program
+from .core.steps import Kind
+from .core.traffic import NORM_BYTES, optimizer_moves
+
+__all__ = ["PlanReport", "plan_report", "print_plan", "PHASES"]
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class PlanReport:
+    program: Program
+    records: dict[str, list[CollectiveRecord]] = field(default_factory=dict)  # by phase; empty under pp
+    memory: MemoryReport | None = None
+    bubble: float | None = None  # the pipeline's idle share of a step (None: no pipeline)
+    note: str = ""  # why something is not counted
+
+    def sent(self, phase: str | None = None) -> int:
+        return sum(r.nbytes for p in ([phase] if phase else PHASES) for r in self.records.get(p, ()))
+
+    def by_layer(self) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+        """(layer, {phase: (count, bytes)}) in the order the model declares the layers."""
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        for phase in PHASES:
+            for r in self.records.get(phase, ()):
+                row = out.setdefault(r.where or "(model)", {})
+                c, n = row.get(phase, (0, 0))
+                row[phase] = (c + 1, n + r.nbytes)
+        order = list(dict.fromkeys(layer_of(n) for n in self.program.shapes))
+        return sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+
+    def by_kind(self) -> list[tuple[str, tuple[str, ...], dict[str, tuple[int, int]]]]:
+        """(kind, axes, {phase: (count, bytes)})."""
+        out: dict[tuple, dict[str, tuple[int, int]]] = {}
+        for phase in PHASES:
+            for r in self.records.get(phase, ()):
+                row = out.setdefault((r.kind.value, r.axes), {})
+                c, n = row.get(phase, (0, 0))
+                row[phase] = (c + 1, n + r.nbytes)
+        return [(k, a, row) for (k, a), row in out.items()]
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.program
+        rec = lambda r: {"kind": r.kind.value, "axes": list(r.axes), "bytes": r.nbytes, "source": r.source.value,
+                         "dtype": r.dtype, "layer": r.where}
+        pair = lambda row: {ph: {"count": c, "bytes": n} for ph, (c, n) in row.items()}
+        return {
+            "model": p.model_ref, "strategy": p.strategy.name, "mesh": dict(p.mesh.axes), "batch": p.batch,
+            "precision": p.precision.name, "remat": p.remat.value, "microbatches": p.microbatches,
+            "collectives": {ph: [rec(r) for r in self.records.get(ph, ())] for ph in PHASES},
+            "sent_bytes": {ph: self.sent(ph) for ph in PHASES} | {"total": self.sent()},
+            "clip_norm_all_reduce": {"axes": list(p.mesh.axis_names), "bytes": NORM_BYTES, "dtype": "float64"},
+            "per_layer": {layer: pair(row) for layer, row in self.by_layer()},
+            "per_kind": [{"kind": k, "axes": list(a), **pair(row)} for k, a, row in self.by_kind()],
+            "memory": None if self.memory is None else self.memory.to_json(),
+            "bubble": self.bubble, "note": self.note,
+        }
+
+
+def plan_report(program: Program, backend: str = "torch") -> PlanReport:
+    """Every collective of one training step on rank 0 (forward, backward, optimizer step; local
+    slices, which send nothing, left out), the memory of the busiest device on ``backend`` (a
+    pipeline's stash differs per framework), the pipeline's bubble."""
+    from .core.schedule import simulate_schedule
+    from .core.session import get_backend
+
+    report = PlanReport(program, memory=memory_report(program, backend))
+    if program.pipeline is not None:
+        report.bubble = simulate_schedule(program.pipeline.schedule).bubble
+        report.note = ("a pipeline's collectives are not counted yet (each stage's and the point-to-point sends "
+                       "between stages); its bubble and memory are")
+        return report
+    if getattr(program.model, "runs_on", None):
+        report.note = f"the model runs on {', '.join(program.model.runs_on)} only, not the sharded executor: its " \
+                      f"collectives are XLA's (GSPMD)"
+        return report
+    traced = get_backend("jax-single").collective_traffic(program)
+    keep = lambda log, backward: [r for r in log.entries if r.kind is not Kind.LOCAL_SLICE and r.backward == backward]
+    report.records = {"forward": keep(traced, False), "backward": keep(traced, True),
+                      "optimizer": keep(optimizer_moves(program, CollectiveLog()), False)}
+    return report
+
+
+def print_plan(report: PlanReport, console, title: str) -> None:
+    """The report's collectives as two tables (by layer, consecutive equal layers folded into one
+    row; by kind and axes), the clipping norm's all-reduce, the pipeline's bubble."""
+    from rich.table import Table
+
+    from .cli import _size
+
+    p = report.program
+    console.print(f"plan: {title} (nothing runs: one step traced on shapes; rank 0)", soft_wrap=True)
+    if report.bubble is not None:
+        pipe = p.pipeline
+        console.print(f"pipeline: {pipe.schedule.name}, {pipe.stages} stages on {pipe.schedule.ranks} ranks, "
+                      f"{p.microbatches} microbatches: bubble {report.bubble:.1%} of a step (equal stage costs)",
+                      soft_wrap=True)
+    if report.note:
+        console.print(f"collectives: {report.note}", soft_wrap=True)
+    if not report.records:
+        return
+    cell = lambda row, ph: f"{row[ph][0]} / {_size(row[ph][1])}" if ph in row else ""
+    table = Table(title="collectives per layer (count / bytes sent by rank 0)", title_justify="left")
+    for col in ("layer", *PHASES, "total"):
+        table.add_column(col, justify="left" if col == "layer" else "right", no_wrap=True)
+    rows, folded = report.by_layer(), []
+    for layer, row in rows:  # blocks.0 .. blocks.47 with equal counts: one row
+        if folded and folded[-1][2] == row and layer.rsplit(".", 1)[0] == folded[-1][0].rsplit(".", 1)[0] \
+                and layer.rsplit(".", 1)[-1].isdigit():
+            folded[-1][1] = layer
+        else:
+            folded.append([layer, layer, row])
+    for first, last, row in folded:
+        name = first if first == last else f"{first}-{last.rsplit('.', 1)[-1]} (each)"
+        table.add_row(name, *(cell(row, ph) for ph in PHASES), _size(sum(n for _, n in row.values())))
+    table.add_row("step", *(_size(report.sent(ph)) for ph in PHASES), _size(report.sent()), style="bold")
+    console.print(table)
+    kinds = Table(title="by kind and mesh axes", title_justify="left")
+    for col in ("kind", "axes", *PHASES):
+        kinds.add_column(col, justify="left" if col in ("kind", "axes") else "right", no_wrap=True)
+    for kind, axes, row in report.by_kind():
+        kinds.add_row(kind, ",".join(axes) or "-", *(cell(row, ph) for ph in PHASES))
+    console.print(kinds)
+    console.print(f"and the gradient norm for clipping: one all-reduce of {NORM_BYTES} B (float64) over all "
+                  f"{p.mesh.size} ranks", soft_wrap=True)

@@ -1,0 +1,57 @@
+"""``parlay plan`` (planning.py): one training step's collectives per layer and in total, its
+memory and a pipeline's bubble, before anything runs. That the collectives are what torch sends
+is tests/torch/test_traffic.py; here: the command, its JSON, and the report's own sums."""
+
+import json
+
+from parlay.cli import main
+from parlay.core import Mesh
+from parlay.core.memory import memory_report
+from parlay.core.program import program_from
+from parlay.planning import PHASES, plan_report
+
+
+def test_the_report_adds_up_and_names_each_layer():
+    program = program_from("tiny", "zero1+tp", Mesh(dp=2, tp=4), batch=8)
+    report = plan_report(program)
+    layers = [layer for layer, _ in report.by_layer()]
+    assert layers == ["embed", "blocks.0", "blocks.1", "final_norm", "lm_head"]  # the model's order
+    for phase in PHASES:
+        assert sum(row.get(phase, (0, 0))[1] for _, row in report.by_layer()) == report.sent(phase)
+        assert sum(row.get(phase, (0, 0))[1] for *_, row in report.by_kind()) == report.sent(phase)
+    # ZeRO-1: the optimizer step all-gathers each parameter's updated shard over dp, nothing else.
+    assert {(k, a) for k, a, row in report.by_kind() if "optimizer" in row} == {("all-gather", ("dp",))}
+    # the gradient's dp sum per parameter in the backward: 2 (P-1)/P of each parameter's block
+    bwd_dp = next(row["backward"] for k, a, row in report.by_kind() if (k, a) == ("all-reduce", ("dp",)))
+    assert bwd_dp[0] == len(program.shapes)
+    assert bwd_dp[1] == sum(2 * (2 - 1) * 4 * n // 2 for n in (
+        __import__("math").prod(program.layouts[__import__("parlay").core.Role.PARAMS][k].local_shape(s))
+        for k, s in program.shapes.items()))
+    assert report.memory == memory_report(program)
+
+
+def test_parlay_plan_prints_and_writes_its_report(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--strategy", "fsdp+tp_sp", "--mesh", "dp=2,tp=4", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "collectives per layer" in out and "blocks.0-1 (each)" in out and "by kind and mesh axes" in out
+    assert "memory per device (predicted)" in out and "one all-reduce of 8 B (float64) over all 8 ranks" in out
+    data = json.loads(path.read_text())
+    report = plan_report(program_from("tiny", "fsdp+tp_sp", Mesh(dp=2, tp=4), batch=8))
+    assert data["sent_bytes"] == {**{ph: report.sent(ph) for ph in PHASES}, "total": report.sent()}
+    assert len(data["collectives"]["backward"]) == len(report.records["backward"])
+    assert data["memory"]["peak"] == report.memory.peak and data["bubble"] is None
+
+
+def test_a_pipeline_reports_its_bubble_and_says_what_it_does_not_count(capsys):
+    assert main(["plan", "--strategy", "pp", "--mesh", "pp=2", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 20.0% of a step" in out  # (p-1)/(m+p-1) = 1/5 for 1F1B
+    assert "a pipeline's collectives are not counted yet" in out
+
+
+def test_bad_plan_flags(capsys):
+    assert main(["plan", "--strategy", "tp", "--mesh", "tp=3"]) == 2
+    assert "not divisible by 3" in capsys.readouterr().err
+    assert main(["plan", "--strategy", "dp", "--mesh", "dp=2", "--steps", "3"]) == 2  # plan runs nothing
+    assert "unrecognized arguments: --steps 3" in capsys.readouterr().err
