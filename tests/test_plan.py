@@ -55,3 +55,40 @@ def test_bad_plan_flags(capsys):
     assert "not divisible by 3" in capsys.readouterr().err
     assert main(["plan", "--strategy", "dp", "--mesh", "dp=2", "--steps", "3"]) == 2  # plan runs nothing
     assert "unrecognized arguments: --steps 3" in capsys.readouterr().err
+
+
+def test_the_plans_forward_is_what_jax_explicit_runs():
+    # JAX explicit logs each plan step of the forward as it traces it (its backward is JAX's
+    # transpose, not logged): equal to the plan's forward plan steps, by kind and axes, in count
+    # and bytes, for the cases tests/torch/test_traffic.py checks against torch. A permute's bytes
+    # differ by design: JAX's log has the busiest device's (its trace is every device's), the plan
+    # rank 0's (torch's log), which sends nothing where rank 0 is no source; their counts agree.
+    import sys
+    from pathlib import Path
+
+    from parlay.core import get_backend
+    from parlay.core.models.gpt import GPT, PRESETS
+    from parlay.core.program import make_program
+
+    sys.path.insert(0, str(Path(__file__).parent / "torch"))
+    from test_traffic import CASES
+
+    model = GPT(PRESETS["tiny"])
+    tokens = __import__("numpy").random.default_rng(0).integers(0, 256, (8, model.config.seq)).astype("int32")
+
+    def forward_log(session):
+        session.log.clear()
+        session.eval_loss({"tokens": tokens, "targets": tokens})
+        return counts(session.log.entries)
+
+    def counts(entries):
+        out: dict = {}
+        for e in entries:
+            if e.kind.value != "local-slice" and e.source.value == "plan" and not e.backward:
+                c, n = out.get((e.kind.value, e.axes), (0, 0))
+                out[(e.kind.value, e.axes)] = (c + 1, None if e.kind.value == "permute" else n + e.nbytes)
+        return out
+
+    for strategy, axes in CASES:
+        program = make_program(model, strategy, Mesh(dict(axes)), batch=8)
+        assert get_backend("jax").run(program, forward_log) == counts(plan_report(program).records["forward"]), strategy
