@@ -18,15 +18,24 @@ from pathlib import Path
 from typing import Sequence
 
 from .backends.jax.nnx import NnxModel, constrain, rules_from_flax, rules_to_flax, strategy_from_flax, strategy_to_flax
-from .backends.jax.nnx_modules import GPT, Layer, Model, Placement, adamw, checkpoint_tensors, restore
+from .backends.jax.nnx_modules import GPT, Layer, Model, Placement, adamw, adamw_config, checkpoint_tensors, restore
 from .checkpoint import Checkpoint, CheckpointError, new_run_id
 from .core.model import dataset_source
+from .core.optim import OptimizerConfig
 from .core.program import make_program
 from .training import TrainSpec, data_digests, dataset_of, make_train_program, model_meta
 from .training import save_checkpoint as _save
 
 __all__ = ["NnxModel", "constrain", "rules_from_flax", "rules_to_flax", "strategy_from_flax", "strategy_to_flax",
-           "Layer", "Model", "GPT", "Placement", "adamw", "save_checkpoint", "load_checkpoint"]
+           "Layer", "Model", "GPT", "Placement", "adamw", "OptimizerConfig", "TrainSpec", "dataset_of",
+           "save_checkpoint", "load_checkpoint"]
+
+
+def _a_model(module, what: str) -> None:
+    if not isinstance(module, Model):
+        raise TypeError(f"{what} takes a parlay model as an NNX module (parlay.flax_nnx.Model or GPT), not "
+                        f"{type(module).__name__}; your own NNX module trains and checkpoints through parlay as an "
+                        f"NnxModel (parlay train --model FILE.py:NAME)")
 
 
 def save_checkpoint(spec: TrainSpec, module: Model, optimizer, losses: Sequence[float], *,
@@ -39,8 +48,22 @@ def save_checkpoint(spec: TrainSpec, module: Model, optimizer, losses: Sequence[
     seed=spec.seed)``), since the resume checks them. The tensors are written in the module's own
     layouts, and the manifest says the steps ran on ``jax-nnx`` under its strategy and mesh.
     ``evals``: (step, held-out loss) pairs for the history. Returns the checkpoint's folder."""
+    if not isinstance(spec, TrainSpec):
+        raise TypeError(f"save_checkpoint(spec, module, optimizer, losses): spec is a TrainSpec, not "
+                        f"{type(spec).__name__}")
+    _a_model(module, "save_checkpoint")
     if not spec.checkpoint_dir:
         raise ValueError("save_checkpoint: the TrainSpec has no checkpoint_dir")
+    used = adamw_config(optimizer)
+    if used != spec.optimizer:
+        diff = ", ".join(f"{k} {getattr(used, k)!r} vs {getattr(spec.optimizer, k)!r}"
+                         for k in OptimizerConfig.__dataclass_fields__ if getattr(used, k) != getattr(spec.optimizer, k))
+        raise ValueError(f"save_checkpoint: the optimizer's adamw config differs from spec.optimizer ({diff}); the "
+                         f"run continues with spec.optimizer, so the NNX loop must have stepped with it")
+    if module.placement is not None and module.placement.program.batch != spec.batch:
+        raise ValueError(f"save_checkpoint: the module is placed for batches of {module.placement.program.batch} "
+                         f"but spec.batch is {spec.batch}; the run continues with spec.batch, so the NNX loop must "
+                         f"have taken batches of it")
     program = make_train_program(spec)  # the run to continue: its model, data and optimizer
     ours, theirs = model_meta(program)["describe"], getattr(module.model, "describe", lambda: None)()
     names = {d.name for d in module.model.decls()}
@@ -69,6 +92,9 @@ def load_checkpoint(module: Model, path, optimizer=None) -> int:
     ``adamw(config)``), Adam's moments and the update count too, so the NNX loop continues the run
     (its data, seed, batch and optimizer are then the loop's to follow: the manifest lists them).
     Returns the update count."""
+    _a_model(module, "load_checkpoint")
+    if optimizer is not None:
+        adamw_config(optimizer)  # parlay's AdamW states, or an error before anything is read
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     names = {d.name for d in module.model.decls()}
     saved = {n.split("/", 1)[1] for n in ckpt.tensors if n.startswith("params/")}

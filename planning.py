@@ -11,6 +11,7 @@ schedule's (``simulate_schedule``, equal stage costs).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,9 +19,11 @@ from .core.log import CollectiveLog, CollectiveRecord, layer_of
 from .core.memory import MemoryReport, memory_report
 from .core.program import Program
 from .core.steps import Kind
+from .core.cost import PROFILES, Profile, StepTime, step_time
+from .core.strategies import Role
 from .core.traffic import NORM_BYTES, optimizer_moves
 
-__all__ = ["PlanReport", "plan_report", "print_plan", "PHASES"]
+__all__ = ["PlanReport", "plan_report", "predict", "print_plan", "PHASES"]
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -32,6 +35,8 @@ class PlanReport:
     memory: MemoryReport | None = None
     bubble: float | None = None  # the pipeline's idle share of a step (None: no pipeline)
     note: str = ""  # why something is not counted
+    flops: int | None = None  # rank 0's matrix-product FLOPs in one forward and backward
+    written: int | None = None  # the bytes rank 0's other ops write in it (the memory-bound rest)
 
     def sent(self, phase: str | None = None) -> int:
         return sum(r.nbytes for p in ([phase] if phase else PHASES) for r in self.records.get(p, ()))
@@ -75,6 +80,19 @@ class PlanReport:
         }
 
 
+def predict(report: PlanReport, profile: Profile | str) -> StepTime | None:
+    """The report's step time on ``profile`` (core/cost.py; a name in ``PROFILES``), or None where
+    its collectives are not counted (a pipeline, an NNX model)."""
+    profile = PROFILES[profile] if isinstance(profile, str) else profile
+    if report.flops is None:
+        return None
+    p = report.program
+    lay = p.layouts[Role.OPTIMIZER]
+    elems = sum(math.prod(lay[k].local_shape(s)) for k, s in p.shapes.items())
+    records = [r for ph in PHASES for r in report.records[ph]]
+    return step_time(p.mesh, records, report.flops, report.written, elems, profile, p.precision.compute)
+
+
 def plan_report(program: Program, backend: str = "torch") -> PlanReport:
     """Every collective of one training step on rank 0 (forward, backward, optimizer step; local
     slices, which send nothing, left out), the memory of the busiest device on ``backend`` (a
@@ -92,7 +110,7 @@ def plan_report(program: Program, backend: str = "torch") -> PlanReport:
         report.note = f"the model runs on {', '.join(program.model.runs_on)} only, not the sharded executor: its " \
                       f"collectives are XLA's (GSPMD)"
         return report
-    traced = get_backend("jax-single").collective_traffic(program)
+    traced, report.flops, report.written = get_backend("jax-single").trace_step(program)
     keep = lambda log, backward: [r for r in log.entries if r.kind is not Kind.LOCAL_SLICE and r.backward == backward]
     report.records = {"forward": keep(traced, False), "backward": keep(traced, True),
                       "optimizer": keep(optimizer_moves(program, CollectiveLog()), False)}

@@ -59,7 +59,8 @@ def main(argv=None) -> list[float]:
     losses = train(model, opt, spec, range(args.steps), save_at=args.steps)
     for t, loss in enumerate(losses):
         print(f"step {t + 1}  loss {loss:.6f}")
-    print(f"saved {args.dir}/step-{args.steps:08d}; continue it on torch with parlay train ... --checkpoint-dir "
+    print(f"saved {args.dir}/step-{args.steps:08d}; continue it on torch with\n  parlay train --model tiny --steps 8 "
+          f"--batch 8 --warmup 3 --lr 1e-2 --backend torch --mesh dp=2,tp=2 --strategy dp+tp --checkpoint-dir "
           f"{args.dir} --resume")
     return losses
 

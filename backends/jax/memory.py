@@ -31,7 +31,7 @@ from .comm import custom_op
 from .ops import JaxLocal
 from .remat import jax_checkpoint
 
-__all__ = ["ShapeComm", "TrafficComm", "Scoped", "activation_bytes", "collective_traffic"]
+__all__ = ["ShapeComm", "TrafficComm", "Scoped", "activation_bytes", "collective_traffic", "trace_step"]
 
 
 class ShapeComm:
@@ -186,7 +186,13 @@ class Scoped:
 def collective_traffic(program: Program) -> CollectiveLog:
     """What rank 0 sends in one ``loss_and_grads`` (forward and backward), traced on shapes: the
     records torch's collectives log, for any mesh size, without a device. The optimizer's moves
-    (ZeRO's gathers, the clipping norm) are not part of it."""
+    (ZeRO's gathers, the clipping norm) are not part of it (core/traffic.py counts them)."""
+    return trace_step(program)[0]
+
+
+def trace_step(program: Program) -> tuple[CollectiveLog, int, int]:
+    """One ``loss_and_grads`` of rank 0 traced on shapes: what it sends (``collective_traffic``),
+    the FLOPs of its matrix products and the bytes its other ops write (``_work``)."""
     if program.pipeline is not None:
         raise ValueError(f"collective_traffic: {program.strategy.name!r} runs a pipeline; its traffic is the "
                          f"schedule's (parlay schedule), not one traced step. Count a program without pp.")
@@ -202,8 +208,33 @@ def collective_traffic(program: Program) -> CollectiveLog:
         loss = remat_loss(p.model, p.remat, Scoped(ops, comm), sp, input_values(p, batch), jax_checkpoint(p.remat))
         return scalar_loss(ops, loss)
 
-    jax.make_jaxpr(jax.grad(loss))(params, inputs)
-    return log
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, inputs)
+    return (log, *_work(jaxpr.jaxpr))
+
+
+def _work(jaxpr) -> tuple[int, int]:
+    """One device's work in a traced step: the FLOPs of its matrix products (2 per multiply-add of
+    every ``dot_general``) and the bytes every other op writes (the memory-bound rest), nested
+    jaxprs (remat, custom rules, jit) included."""
+    flops = written = 0
+    for eqn in jaxpr.eqns:
+        subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+        subs += [b for v in eqn.params.values() if isinstance(v, (tuple, list)) for b in v
+                 if hasattr(b, "eqns") or hasattr(b, "jaxpr")]
+        if subs:
+            for sub in subs:
+                f, w = _work(getattr(sub, "jaxpr", sub))
+                flops, written = flops + f, written + w
+            continue
+        if eqn.primitive.name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            flops += 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+        else:
+            written += sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.outvars
+                           if hasattr(getattr(v, "aval", None), "shape"))
+    return flops, written
 
 
 def _blocks(program: Program, role: Role, decls, dtype_of):

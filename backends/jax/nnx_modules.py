@@ -24,6 +24,7 @@ read (the top level: backends never import it).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -48,13 +49,15 @@ from .nnx import constrain
 from .ops import JaxLocal
 from .session import checkpoint_pieces, gspmd_ops, make_optimizer
 
-__all__ = ["Layer", "Model", "GPT", "Placement", "adamw", "checkpoint_tensors", "restore"]
+__all__ = ["Layer", "Model", "GPT", "Placement", "adamw", "adamw_config", "checkpoint_tensors", "restore"]
 
 
 class Placement:
     """Where parlay's ``strategy`` puts ``model``'s tensors on ``mesh`` (axis name -> size) for
     batches of ``batch`` examples: a ``NamedSharding`` per parameter and input, and GSPMD's
-    ``Ops``. ``devices``: the JAX devices, rank order (default: the first ``mesh``'s size)."""
+    ``Ops``. ``devices``: the JAX devices in rank order (default: JAX's first mesh-size devices;
+    on a CPU host it asks XLA for max(mesh size, 8) host devices, which takes effect only if JAX
+    has not started yet)."""
 
     def __init__(self, model, strategy, mesh: Mapping[str, int] | Mesh, *, batch: int, devices=None):
         mesh = mesh if isinstance(mesh, Mesh) else Mesh(tuple(dict(mesh).items()))
@@ -118,6 +121,47 @@ def _flat(module: nnx.Module) -> dict[str, Any]:
     return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
+def _values(what: str, decls, given: Mapping[str, Any], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """``given`` parameter values by declared name, every one present, none unknown, each of its
+    declared shape."""
+    given = dict(given)
+    missing = [n for n in names if n not in given]
+    unknown = [k for k in given if k not in names]
+    if missing or unknown:
+        raise ValueError(f"{what}: params " + "; ".join(
+            ([f"lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}"] if missing else [])
+            + ([f"names {unknown[:4]} that it does not declare"] if unknown else [])) + f"; it declares {list(names)[:8]}"
+            + (" ..." if len(names) > 8 else ""))
+    out = {}
+    for n, d in zip(names, decls):
+        v = np.asarray(given[n], np.float32)
+        if v.shape != tuple(d.shape):
+            raise ValueError(f"{what}: params[{n!r}] has shape {v.shape}; it declares {tuple(d.shape)} "
+                             f"(dims {d.dims})")
+        out[n] = v
+    return out
+
+
+def _check_inputs(model, batch: Mapping[str, Any], what: str) -> None:
+    """``batch`` against the model's declared inputs for its first array's batch size: every input,
+    its shape, integer or floating dtype (values are not read: under jit they are traced)."""
+    if not batch:
+        raise ValueError(f"{what}: the batch is empty; the model reads {sorted(model.inputs(1))}")
+    n = int(np.shape(next(iter(batch.values())))[0]) if np.ndim(next(iter(batch.values()))) else 0
+    want = model.inputs(max(n, 1))
+    missing = sorted(set(want) - set(batch))
+    if missing:
+        raise ValueError(f"{what}: the batch lacks input {missing[0]!r}; the model reads {sorted(want)}")
+    for name, d in want.items():
+        x = batch[name]
+        dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+        if tuple(np.shape(x)) != d.shape:
+            raise ValueError(f"{what}: input {name!r} has shape {tuple(np.shape(x))}; the model takes {d.shape} for a "
+                             f"batch of {n} (dims {d.dims})")
+        if (dtype.kind in "iu") != (d.dtype.numpy.kind in "iu"):
+            raise ValueError(f"{what}: input {name!r} is {dtype}; the model takes {d.dtype.value}")
+
+
 def _dropout_key(seed: int, step) -> DropoutKey:
     """Dropout's key for update ``step``: an int, or ``step_words(t)`` traced under jit."""
     return DropoutKey(seed, 0 if step is None else step)
@@ -128,21 +172,23 @@ class Layer(nnx.Module):
     ("mlp",)))(x)`` computes ``x @ w`` with ``w`` an ``nnx.Param`` named ``w``, dims
     ``("embed", "mlp")``. ``seed``: parlay's initializer's seed (each parameter drawn from the seed
     and its name); ``params``: the values instead, by the names ``layer.decls("")`` gives without
-    the leading dot. Call it with the layer's own arguments (``Block``: ``x``, and the rotary
-    tables ``cos, sin`` or none)."""
+    the leading dot. Call it with the layer's own arguments: ``Attention`` takes ``x, cos, sin``
+    (the rotary tables, or ``None, None`` where positions were added to the embeddings), ``Block``
+    ``x`` and optionally ``cos, sin``, the others ``x`` (``Embedding``: int tokens)."""
 
     def __init__(self, layer, *, seed: int = 0, params: Mapping[str, Any] | None = None):
+        if not (callable(getattr(layer, "decls", None)) and callable(layer)):
+            raise TypeError(f"Layer: {type(layer).__name__} is not a parlay layer (one with decls(prefix) and "
+                            f"__call__(ops, params, prefix, ...): parlay.core.layers); a whole model goes in Model()")
         decls = tuple(layer.decls("_"))
         names = [d.name[2:] for d in decls]
-        values = init_params(decls, seed) if params is None else {f"_.{k}": v for k, v in params.items()}
-        missing = [n for n in names if f"_.{n}" not in values]
-        if missing:
-            raise ValueError(f"Layer({type(layer).__name__}): params lacks {missing}; it declares {names}")
+        what = f"Layer({type(layer).__name__})"
+        drawn = init_params(decls, seed) if params is None else None
+        values = {n: drawn[f"_.{n}"] for n in names} if drawn is not None else _values(what, decls, params, names)
         self.layer = layer
         self.deterministic = True  # nnx's train()/eval() set it: dropout only when False
         self.seed = seed
-        for k, v in _tree({n: _param(values[f"_.{n}"], d.dims) for n, d in zip(names, decls)},
-                          type(layer).__name__).items():
+        for k, v in _tree({n: _param(values[n], d.dims) for n, d in zip(names, decls)}, what).items():
             setattr(self, k, v)
 
     def __call__(self, *args, step=None, **kwargs):
@@ -163,18 +209,17 @@ class Model(nnx.Module):
     def __init__(self, model, *, seed: int = 0, params: Mapping[str, Any] | None = None, strategy=None,
                  mesh: Mapping[str, int] | Mesh | None = None, batch: int | None = None, devices=None):
         model = check_model(model)
-        if (strategy is None) != (mesh is None) or (strategy is not None and batch is None):
-            raise ValueError("Model: give strategy=, mesh= and batch= together (a placement), or none of them "
-                             "(whole arrays)")
+        given = {"strategy": strategy, "mesh": mesh, "batch": batch}
+        if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
+            raise ValueError(f"Model: give strategy=, mesh= and batch= together (a placement), or none of them (whole "
+                             f"arrays); {', '.join(k + '=' for k, v in given.items() if v is None)} missing")
         self.model = model
         self.placement = None if strategy is None else Placement(model, strategy, mesh, batch=batch, devices=devices)
         self.deterministic = True
         self.seed = seed
         decls = tuple(model.decls())
-        values = model_init(model, seed) if params is None else dict(params)
-        missing = [d.name for d in decls if d.name not in values]
-        if missing:
-            raise ValueError(f"Model: params lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        values = (model_init(model, seed) if params is None
+                  else _values(f"Model({type(model).__name__})", decls, params, [d.name for d in decls]))
         place = (lambda n: None) if self.placement is None else self.placement.param
         tree = _tree({d.name: _param(values[d.name], d.dims, place(d.name)) for d in decls}, type(model).__name__)
         taken = [k for k in tree if hasattr(self, k) or hasattr(type(self), k)]
@@ -192,6 +237,7 @@ class Model(nnx.Module):
         return ops, {k: v[...] for k, v in _flat(self).items()}
 
     def loss(self, batch: Mapping[str, Any], *, step=None):
+        _check_inputs(self.model, batch, f"{type(self.model).__name__}.loss")
         ops, params = self._run(step)
         return self.model.loss(ops, params, batch)
 
@@ -227,6 +273,12 @@ class GPT(Model):
             raise TypeError(f"GPT(config): a GPTConfig or a preset's name, not {type(config).__name__}")
         super().__init__(model, **kwargs)
 
+    def __call__(self, tokens, *, step=None):
+        """(B, S, vocab) logits of (B, S) int tokens, S the config's seq (token values are not
+        checked: under jit they are traced, and JAX clamps an index past the vocabulary)."""
+        _check_inputs(self.model, {"tokens": tokens, "targets": tokens}, "GPT")
+        return super().__call__(tokens, step=step)
+
 
 def adamw(config: OptimizerConfig) -> optax.GradientTransformation:
     """parlay's optimizer (global-norm clipping, AdamW, the warmup-cosine schedule of ``config``)
@@ -237,7 +289,24 @@ def adamw(config: OptimizerConfig) -> optax.GradientTransformation:
     last = max(config.warmup, config.decay_steps)
     table = jnp.asarray([np.float32(config.lr_at(t)) for t in range(last + 1)], jnp.float32)
     rate = lambda count: -table[jnp.minimum(count, last)]
-    return optax.chain(make_optimizer(config), optax.scale_by_schedule(rate))
+    tx = optax.chain(make_optimizer(config), optax.scale_by_schedule(rate))
+    _ADAMW[tx.update] = config
+    return tx
+
+
+_ADAMW: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # adamw()'s update function -> its config
+
+
+def adamw_config(optimizer: nnx.Optimizer) -> OptimizerConfig:
+    """The ``OptimizerConfig`` of ``adamw(config)`` that ``optimizer`` (an ``nnx.Optimizer``) steps
+    with; a ``ValueError`` for any other optax transformation (its state is not parlay's)."""
+    tx = getattr(optimizer, "tx", None)
+    config = _ADAMW.get(getattr(tx, "update", None)) if tx is not None else None
+    if config is None:
+        raise ValueError(f"the nnx.Optimizer steps with {type(tx).__name__ if tx is not None else 'no transformation'} "
+                         f"that parlay.flax_nnx.adamw(config) did not make; parlay's checkpoints hold its AdamW "
+                         f"states and schedule: make it as nnx.Optimizer(module, adamw(config), wrt=nnx.Param)")
+    return config
 
 
 def _opt_moments(optimizer: nnx.Optimizer) -> dict[tuple[str, str], jax.Array]:

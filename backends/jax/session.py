@@ -110,12 +110,13 @@ class JaxBackend:
 
         return activation_bytes(program, backend)
 
-    def collective_traffic(self, program: Program) -> CollectiveLog:
-        """What rank 0 sends in one forward and backward of ``program``, traced on shapes
-        (backends/jax/memory.py): no device, any mesh size."""
-        from .memory import collective_traffic
+    def trace_step(self, program: Program) -> tuple[CollectiveLog, int, int]:
+        """What rank 0 sends in one forward and backward of ``program``, the FLOPs of its matrix
+        products and the bytes its other ops write, traced on shapes (backends/jax/memory.py):
+        no device, any mesh size."""
+        from .memory import trace_step
 
-        return collective_traffic(program)
+        return trace_step(program)
 
     def prepare(self, mesh) -> None:
         n = 1 if self.mode is Mode.SINGLE else mesh.size

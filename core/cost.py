@@ -1,0 +1,123 @@
+"""A step's time from what it computes and sends, on a hardware profile: ``parlay plan --profile``.
+
+The model is the alpha-beta one, per device, with nothing overlapped:
+
+- compute: the step's matrix-product FLOPs at the profile's peak for the compute dtype times its
+  ``efficiency``, plus every other op's written bytes, read and written once, at memory bandwidth;
+- each collective: ``steps * latency + bytes / bandwidth`` (a ring's steps: n-1 for an all-gather,
+  a reduce-scatter or an all-to-all, 2(n-1) for an all-reduce, 1 for a permute), over the
+  intra-node link if its group stays inside one node and the inter-node link if it crosses one
+  (ranks are numbered row-major over the mesh axes and fill nodes of ``node_devices`` in order);
+- the optimizer: AdamW reads and writes its shard's parameters, gradients and two moments.
+
+Profiles whose devices share one machine (``shared``: the fake JAX devices of a CPU host) run all
+devices' compute on the same cores, so a step costs the devices' compute summed, not one's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .mesh import Mesh
+from .steps import Kind
+
+__all__ = ["Profile", "PROFILES", "StepTime", "step_time", "crosses_nodes"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    flops: dict  # peak FLOP/s of one device's matrix products by compute dtype ("float32", "bfloat16", "float16")
+    memory_bw: float  # bytes/s between a device and its memory
+    intra_bw: float  # bytes/s one device sends over the link inside a node
+    intra_latency: float  # seconds per step of a collective inside a node
+    inter_bw: float  # bytes/s one device sends to another node
+    inter_latency: float
+    node_devices: int  # devices per node
+    efficiency: float = 0.5  # the share of peak FLOP/s matrix products reach
+    shared: bool = False  # every device runs on the same cores (a CPU host's fake devices)
+    source: str = ""  # where the figures come from
+    notes: tuple = field(default=())
+
+
+# Published figures (dense, no sparsity), per device; links per direction.
+PROFILES = {
+    "h100": Profile(
+        "h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 450e9, 3e-6, 50e9, 10e-6, 8,
+        source="NVIDIA H100 SXM datasheet (FP32 67 TF, BF16 989 TF dense, HBM3 3.35 TB/s, NVLink 900 GB/s both "
+               "ways); one 400 Gb/s InfiniBand NIC per GPU"),
+    "h200": Profile(
+        "h200", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 4.8e12, 450e9, 3e-6, 50e9, 10e-6, 8,
+        source="NVIDIA H200 SXM datasheet (H100's compute, HBM3e 4.8 TB/s); one 400 Gb/s InfiniBand NIC per GPU"),
+    "a100": Profile(
+        "a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.04e12, 300e9, 3e-6, 25e9, 10e-6, 8,
+        source="NVIDIA A100 SXM 80GB datasheet (FP32 19.5 TF, BF16 312 TF, HBM2e 2.04 TB/s, NVLink 600 GB/s both "
+               "ways); one 200 Gb/s HDR InfiniBand NIC per GPU (the DGX A100 of Megatron-LM's runs)"),
+    # This machine (2 cores), measured by ``python benchmarks/cpu_profile.py``: its 8 fake JAX devices
+    # share the cores, and a collective among them is a memory copy with a rendezvous.
+    "cpu": Profile(
+        "cpu", {"float32": 165e9, "bfloat16": 165e9, "float16": 165e9}, 6.0e9, 1.1e9, 60e-6, 1.1e9, 60e-6, 64,
+        efficiency=1.0, shared=True,
+        source="python benchmarks/cpu_profile.py on this 2-core machine: a 512^3 fp32 product 165 GFLOP/s, a "
+               "64 MiB elementwise pass 6.0 GB/s, an all-gather over 8 fake devices 60 us a ring step and "
+               "1.1 GB/s (least squares over 4 sizes)"),
+}
+
+
+def crosses_nodes(mesh: Mesh, axes, node_devices: int) -> bool:
+    """Whether rank 0's group over ``axes`` spans more than one node (sub-axes ``a.i`` count as
+    their whole axis ``a``)."""
+    names = {a.partition(".")[0] for a in axes}
+    stride, last = 1, 0
+    for name, size in reversed(mesh.axes):
+        if name in names:
+            last += (size - 1) * stride
+        stride *= size
+    return last >= node_devices
+
+
+def _group(mesh: Mesh, axes) -> int:
+    names = list(dict.fromkeys(a.partition(".")[0] for a in axes))
+    return math.prod(mesh.axis_size(a) for a in names) if names else 2
+
+
+_STEPS = {Kind.ALL_GATHER: lambda n: n - 1, Kind.REDUCE_SCATTER: lambda n: n - 1, Kind.ALL_TO_ALL: lambda n: n - 1,
+          Kind.ALL_REDUCE: lambda n: 2 * (n - 1), Kind.PERMUTE: lambda n: 1}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float  # seconds: matrix products and the memory-bound rest
+    comm: float  # seconds: every collective, none overlapped
+    optimizer: float  # seconds: AdamW's pass over its shard
+    intra: float  # of ``comm``: inside nodes
+    inter: float  # of ``comm``: across nodes
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm + self.optimizer
+
+    def to_json(self) -> dict:
+        return {"compute_s": self.compute, "comm_s": self.comm, "optimizer_s": self.optimizer,
+                "comm_intra_node_s": self.intra, "comm_inter_node_s": self.inter, "total_s": self.total}
+
+
+def step_time(mesh: Mesh, records, flops: int, written: int, optimizer_elems: int, profile: Profile,
+              dtype: str = "float32") -> StepTime:
+    """One step's seconds on ``profile``: rank 0's collectives (``records``: kind, axes, nbytes),
+    its matrix-product ``flops``, the bytes its other ops write, the elements of its AdamW shard."""
+    devices = mesh.size if profile.shared else 1
+    peak = profile.flops[dtype] * profile.efficiency
+    compute = devices * (flops / peak + 2 * written / profile.memory_bw)
+    intra = inter = 0.0
+    for r in records:
+        out = crosses_nodes(mesh, r.axes, profile.node_devices)
+        bw, lat = (profile.inter_bw, profile.inter_latency) if out else (profile.intra_bw, profile.intra_latency)
+        t = _STEPS[r.kind](_group(mesh, r.axes)) * lat + r.nbytes / bw
+        if out:
+            inter += t
+        else:
+            intra += t
+    optimizer = devices * optimizer_elems * 4 * 4 * 2 / profile.memory_bw  # p, g, m, v: read and written
+    return StepTime(compute, intra + inter, optimizer, intra, inter)
