@@ -19,6 +19,7 @@ from rich.text import Text
 
 from .checkpoint import Checkpoint, CheckpointError, latest
 from .core import Layout, Mesh, P, Plan, plan_redistribute
+from .core.cost import PROFILES
 from .core.models.gpt import PRESETS
 from .core.rules import RuleError
 from .core.pipeline import PipelineError
@@ -374,7 +375,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     import json
 
     from .core.program import program_from
-    from .planning import plan_report, print_plan
+    from .planning import plan_report, predict, print_plan
 
     for flag in ("batch", "microbatches"):
         if getattr(args, flag) < 1:
@@ -386,9 +387,20 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     report = plan_report(program, args.backend)
     print_plan(report, console, f"{args.model}, {run_label(program)} on {program.mesh}, batch {args.batch}")
     print_memory(program, console, args.backend)
+    data = report.to_json()
+    if args.profile:
+        t = predict(report, args.profile)
+        if t is None:
+            console.print(f"step time on {args.profile}: not predicted ({report.note})", soft_wrap=True)
+        else:
+            console.print(f"step time on {args.profile} (predicted, nothing overlapped): {1e3 * t.total:.3f} ms = "
+                          f"compute {1e3 * t.compute:.3f} + collectives {1e3 * t.comm:.3f} (inside nodes "
+                          f"{1e3 * t.intra:.3f}, across {1e3 * t.inter:.3f}) + optimizer {1e3 * t.optimizer:.3f}",
+                          soft_wrap=True)
+        data["predicted"] = {"profile": args.profile, **(t.to_json() if t is not None else {})}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report.to_json(), f, indent=1)
+            json.dump(data, f, indent=1)
         console.print(f"wrote {args.json}")
     return 0
 
@@ -792,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(pl, steps=None, batch=8)
     pl.add_argument("--backend", choices=("torch", "jax"), default="torch",
                     help="whose pipeline stash the memory counts (torch keeps each in-flight microbatch's graph)")
+    pl.add_argument("--profile", default=None, choices=sorted(PROFILES),
+                    help="predict the step's time on this hardware (core/cost.py: h100, h200, a100 nodes of 8 with "
+                         "InfiniBand between them; cpu: this machine's 8 fake JAX devices)")
     pl.add_argument("--json", default=None, help="write the report here")
     pl.set_defaults(run=_cmd_plan)
     e = sub.add_parser("export-hf", help="a parlay checkpoint as a Hugging Face folder (GPT-2 or LLaMA)",

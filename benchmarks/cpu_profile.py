@@ -1,6 +1,10 @@
-"""Measure this machine as a ``parlay plan --profile`` hardware profile (core/cost.py "cpu"):
-XLA's CPU matrix-product rate, its memory bandwidth, and the alpha-beta cost of a collective among
-8 fake JAX devices (an all-gather over all 8 at several sizes, least squares).
+"""Measure this machine as a ``parlay plan`` hardware profile (core/cost.py "cpu"), the way a
+step uses it: 8 fake JAX devices running at once on the machine's cores, under ``shard_map``.
+
+- matrix products: a 256^3 fp32 product on every device at once (FLOP/s of all 8 together);
+- memory: an elementwise pass over 8 MiB on every device at once (bytes read and written, all 8);
+- a collective: the extra time of a chain of 9 dependent all-reduces over the 8 devices against 1,
+  per collective (the latency), and the bytes one device sends per second in a 4 MiB one.
 
     python benchmarks/cpu_profile.py
 """
@@ -13,45 +17,46 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 
-def _best(fn, *args, reps=7):
-    jax.block_until_ready(fn(*args))
+def _best(fn, x, reps=9):
+    jax.block_until_ready(fn(x))
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(x))
         times.append(time.perf_counter() - t)
     return float(np.median(times))
 
 
 def measure() -> dict:
-    dev = jax.devices()[0]
-    n = 512
-    a = jax.device_put(np.random.default_rng(0).normal(size=(n, n)).astype(np.float32), dev)
-    mm = jax.jit(lambda a: a @ a)
-    flops = 2 * n ** 3 / _best(mm, a)
-    big = jax.device_put(np.ones(2 ** 24, np.float32), dev)  # 64 MiB
-    bw = 2 * big.nbytes / _best(jax.jit(lambda x: x * 2.0 + 1.0), big)
     mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
-    rows = []
-    for elems in (256, 4096, 65536, 262144):
-        x = jax.device_put(np.ones(8 * elems, np.float32), NamedSharding(mesh, P("d")))
-        gather = jax.jit(jax.shard_map(lambda b: jax.lax.all_gather(b, "d", tiled=True), mesh=mesh, in_specs=P("d"),
-                                       out_specs=P(), check_vma=False))
-        rows.append((7, 7 * elems * 4, _best(gather, x)))  # ring steps, bytes one device sends, seconds
-    A = np.array([[s, b] for s, b, _ in rows], float)
-    lat, inv_bw = np.linalg.lstsq(A, np.array([t for *_, t in rows]), rcond=None)[0]
-    return {"flops": flops, "memory_bw": bw, "latency": max(lat, 0.0), "link_bw": 1 / inv_bw if inv_bw > 0 else bw,
-            "gathers": rows}
+    on_all = lambda body: jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                                check_vma=False))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))
+    n = 256
+    flops = 8 * 2 * n ** 3 / _best(on_all(lambda b: b @ b), put(np.ones((8 * n, n), np.float32)))
+    x = put(np.ones(8 * 2 ** 21, np.float32))
+    bw = 2 * x.nbytes / _best(on_all(lambda b: b * 2.0 + 1.0), x)
+
+    def chain(k):
+        def body(b):
+            for _ in range(k):
+                b = jax.lax.psum(b, "d") * 0.125
+            return b
+        return on_all(body)
+
+    small = put(np.ones(8 * 64, np.float32))
+    latency = (_best(chain(9), small) - _best(chain(1), small)) / 8
+    big = put(np.ones(8 * 2 ** 20, np.float32))  # 4 MiB a device
+    sent = 2 * 7 / 8 * big.nbytes / 8  # a ring all-reduce: what one device sends
+    link = sent / max(_best(chain(1), big) - latency, 1e-9)
+    return {"flops": flops, "memory_bw": bw, "latency": latency, "link_bw": link}
 
 
 if __name__ == "__main__":
     m = measure()
-    print(f"matmul {m['flops'] / 1e9:.1f} GFLOP/s (one 512^3 fp32 product), memory {m['memory_bw'] / 1e9:.2f} GB/s, "
-          f"collective step latency {m['latency'] * 1e6:.1f} us, link {m['link_bw'] / 1e9:.2f} GB/s")
-    for steps, nbytes, t in m["gathers"]:
-        print(f"  all-gather over 8: {nbytes} B sent per device, {t * 1e6:.0f} us")
+    print(f"8 devices at once: matmul {m['flops'] / 1e9:.1f} GFLOP/s, memory {m['memory_bw'] / 1e9:.2f} GB/s; a "
+          f"collective {m['latency'] * 1e6:.0f} us + the bytes one device sends at {m['link_bw'] / 1e9:.2f} GB/s")

@@ -37,6 +37,8 @@ class Profile:
     node_devices: int  # devices per node
     efficiency: float = 0.5  # the share of peak FLOP/s matrix products reach
     shared: bool = False  # every device runs on the same cores (a CPU host's fake devices)
+    per_collective: bool = False  # the latency is paid once a collective (not once a ring step)
+    bucket_bytes: int = 25 * 2 ** 20  # parameters' gradient sums are joined in buckets of this size
     source: str = ""  # where the figures come from
     notes: tuple = field(default=())
 
@@ -54,14 +56,15 @@ PROFILES = {
         "a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.04e12, 300e9, 3e-6, 25e9, 10e-6, 8,
         source="NVIDIA A100 SXM 80GB datasheet (FP32 19.5 TF, BF16 312 TF, HBM2e 2.04 TB/s, NVLink 600 GB/s both "
                "ways); one 200 Gb/s HDR InfiniBand NIC per GPU (the DGX A100 of Megatron-LM's runs)"),
-    # This machine (2 cores), measured by ``python benchmarks/cpu_profile.py``: its 8 fake JAX devices
-    # share the cores, and a collective among them is a memory copy with a rendezvous.
+    # This machine (2 cores), measured by ``python benchmarks/cpu_profile.py`` (two runs, rounded): its
+    # 8 fake JAX devices share the cores (the rates are all 8 at once), and a collective among them
+    # is a memory copy after a rendezvous.
     "cpu": Profile(
-        "cpu", {"float32": 165e9, "bfloat16": 165e9, "float16": 165e9}, 6.0e9, 1.1e9, 60e-6, 1.1e9, 60e-6, 64,
-        efficiency=1.0, shared=True,
-        source="python benchmarks/cpu_profile.py on this 2-core machine: a 512^3 fp32 product 165 GFLOP/s, a "
-               "64 MiB elementwise pass 6.0 GB/s, an all-gather over 8 fake devices 60 us a ring step and "
-               "1.1 GB/s (least squares over 4 sizes)"),
+        "cpu", {"float32": 130e9, "bfloat16": 130e9, "float16": 130e9}, 13e9, 2.0e9, 165e-6, 2.0e9, 165e-6, 64,
+        efficiency=1.0, shared=True, per_collective=True,
+        source="python benchmarks/cpu_profile.py on this 2-core machine, 8 fake devices at once: 256^3 fp32 "
+               "products 123-141 GFLOP/s, an elementwise pass 12-14 GB/s, a collective 149-181 us plus the bytes "
+               "one device sends at 1.8-2.1 GB/s"),
 }
 
 
@@ -84,6 +87,14 @@ def _group(mesh: Mesh, axes) -> int:
 
 _STEPS = {Kind.ALL_GATHER: lambda n: n - 1, Kind.REDUCE_SCATTER: lambda n: n - 1, Kind.ALL_TO_ALL: lambda n: n - 1,
           Kind.ALL_REDUCE: lambda n: 2 * (n - 1), Kind.PERMUTE: lambda n: 1}
+
+
+def _collective(mesh: Mesh, kind: Kind, axes, nbytes: int, count: int, profile: Profile) -> tuple[float, bool]:
+    """Seconds of ``count`` collectives sending ``nbytes`` in all, and whether they cross nodes."""
+    out = crosses_nodes(mesh, axes, profile.node_devices)
+    bw, lat = (profile.inter_bw, profile.inter_latency) if out else (profile.intra_bw, profile.intra_latency)
+    steps = 1 if profile.per_collective else _STEPS[kind](_group(mesh, axes))
+    return count * steps * lat + nbytes / bw, out
 
 
 @dataclass(frozen=True)
@@ -111,13 +122,15 @@ def step_time(mesh: Mesh, records, flops: int, written: int, optimizer_elems: in
     peak = profile.flops[dtype] * profile.efficiency
     compute = devices * (flops / peak + 2 * written / profile.memory_bw)
     intra = inter = 0.0
+    buckets: dict = {}  # (kind, axes) -> bytes of the parameters' gradient sums, joined into buckets
     for r in records:
-        out = crosses_nodes(mesh, r.axes, profile.node_devices)
-        bw, lat = (profile.inter_bw, profile.inter_latency) if out else (profile.intra_bw, profile.intra_latency)
-        t = _STEPS[r.kind](_group(mesh, r.axes)) * lat + r.nbytes / bw
-        if out:
-            inter += t
-        else:
-            intra += t
+        if getattr(r, "param", "") and r.backward:
+            buckets[r.kind, r.axes] = buckets.get((r.kind, r.axes), 0) + r.nbytes
+            continue
+        t, out = _collective(mesh, r.kind, r.axes, r.nbytes, 1, profile)
+        intra, inter = (intra, inter + t) if out else (intra + t, inter)
+    for (kind, axes), nbytes in buckets.items():
+        t, out = _collective(mesh, kind, axes, nbytes, max(1, math.ceil(nbytes / profile.bucket_bytes)), profile)
+        intra, inter = (intra, inter + t) if out else (intra + t, inter)
     optimizer = devices * optimizer_elems * 4 * 4 * 2 / profile.memory_bw  # p, g, m, v: read and written
     return StepTime(compute, intra + inter, optimizer, intra, inter)

@@ -31,6 +31,7 @@ class CollectiveRecord:
     source: Source = Source.PLAN
     dtype: str = ""  # what was sent ("float32", "bfloat16", ...; mixed precision's sums must be float32)
     where: str = ""  # the layer it belongs to ("blocks.3", "embed"; traced counts only: ``layer_of``)
+    param: str = ""  # the parameter whose gradient it sums (traced counts only: buckets may join these)
 
 
 @dataclass
@@ -38,9 +39,10 @@ class CollectiveLog:
     entries: list = field(default_factory=list)
 
     def record(self, kind: Kind, axes, nbytes: int, backward: bool = False, source: Source | str = Source.PLAN,
-               dtype: object = "", where: str = "") -> None:
+               dtype: object = "", where: str = "", param: str = "") -> None:
         name = str(dtype).removeprefix("torch.")
-        self.entries.append(CollectiveRecord(kind, tuple(axes), int(nbytes), backward, Source(source), name, where))
+        self.entries.append(CollectiveRecord(kind, tuple(axes), int(nbytes), backward, Source(source), name, where,
+                                             param))
 
     def clear(self) -> None:
         self.entries.clear()

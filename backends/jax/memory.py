@@ -93,14 +93,15 @@ class TrafficComm(ShapeComm):
         self.log = log
         self.where = ""  # the layer whose parameter was used last (``Scoped``): the records' ``where``
 
-    def _logged(self, fwd, x, forward, backward):
+    def _logged(self, fwd, x, forward, backward, param: str = ""):
         """``fwd(x)``, recording ``forward(x)`` now and ``backward(g)`` when its transpose is traced:
-        each a list of (kind, axes, bytes, source), both under the layer the forward ran in."""
+        each a list of (kind, axes, bytes, source), both under the layer the forward ran in
+        (``param``: the parameter whose gradient the backward sums)."""
         where = self.where
 
         def note(records, is_backward):
             for kind, axes, nbytes, source in records:
-                self.log.record(kind, axes, nbytes, is_backward, source, x.dtype, where)
+                self.log.record(kind, axes, nbytes, is_backward, source, x.dtype, where, param if is_backward else "")
 
         @jax.custom_vjp
         def f(x):
@@ -150,7 +151,8 @@ class TrafficComm(ShapeComm):
     def vary(self, x, axes, *, param=None):
         n = self.mesh.group_size(tuple(axes))
         return self._logged(lambda t: t, x, lambda t: [], lambda g: [(
-            Kind.ALL_REDUCE, tuple(axes), 2 * (n - 1) * math.prod(g.shape) // n * g.dtype.itemsize, Source.OP)])
+            Kind.ALL_REDUCE, tuple(axes), 2 * (n - 1) * math.prod(g.shape) // n * g.dtype.itemsize, Source.OP)],
+            param[0] if param else "")
 
     def psum(self, x, axes):
         n = self.mesh.group_size(tuple(axes))
