@@ -32,6 +32,7 @@ from ...core.layers import ParamDecl
 from ...core.rules import RuleError, Rules
 from ...core.shapes import Abstract
 from ...core.strategies import Role, Strategy
+from .env import use_host_devices
 
 __all__ = ["NnxModel", "constrain", "rules_from_flax", "rules_to_flax", "strategy_from_flax", "strategy_to_flax"]
 
@@ -141,6 +142,9 @@ class NnxModel:
         self.make, self._loss, self._inputs = make, loss, inputs
         if dataset is not None:  # ``dataset(files)``: what parlay train reads (parlay.core.model.Dataset)
             self.dataset = dataset
+        # Tracing the module starts JAX: ask for host devices first, as a backend's prepare does
+        # (no effect where XLA_FLAGS already sets a count or JAX has started).
+        use_host_devices(8)
         with nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
             self.graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
