@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from .mesh import Mesh
 from .steps import Kind
 
-__all__ = ["Profile", "PROFILES", "StepTime", "step_time", "crosses_nodes"]
+__all__ = ["Profile", "PROFILES", "StepTime", "step_time", "comm_time", "crosses_nodes"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Profile:
     inter_bw: float  # bytes/s one device sends to another node
     inter_latency: float
     node_devices: int  # devices per node
+    memory: float = 0.0  # bytes of one device's memory, what a layout must fit in (0: not given)
     efficiency: float = 0.5  # the share of peak FLOP/s matrix products reach
     shared: bool = False  # every device runs on the same cores (a CPU host's fake devices)
     per_collective: bool = False  # the latency is paid once a collective (not once a ring step)
@@ -47,13 +48,16 @@ class Profile:
 PROFILES = {
     "h100": Profile(
         "h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 450e9, 3e-6, 50e9, 10e-6, 8,
+        memory=80 * 2 ** 30,
         source="NVIDIA H100 SXM datasheet (FP32 67 TF, BF16 989 TF dense, HBM3 3.35 TB/s, NVLink 900 GB/s both "
                "ways); one 400 Gb/s InfiniBand NIC per GPU"),
     "h200": Profile(
         "h200", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 4.8e12, 450e9, 3e-6, 50e9, 10e-6, 8,
+        memory=141e9,
         source="NVIDIA H200 SXM datasheet (H100's compute, HBM3e 4.8 TB/s); one 400 Gb/s InfiniBand NIC per GPU"),
     "a100": Profile(
         "a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.04e12, 300e9, 3e-6, 25e9, 10e-6, 8,
+        memory=80 * 2 ** 30,
         source="NVIDIA A100 SXM 80GB datasheet (FP32 19.5 TF, BF16 312 TF, HBM2e 2.04 TB/s, NVLink 600 GB/s both "
                "ways); one 200 Gb/s HDR InfiniBand NIC per GPU (the DGX A100 of Megatron-LM's runs)"),
     # This machine (2 cores), measured by ``python benchmarks/cpu_profile.py`` (two runs, rounded): its
@@ -61,6 +65,7 @@ PROFILES = {
     # is a memory copy after a rendezvous.
     "cpu": Profile(
         "cpu", {"float32": 130e9, "bfloat16": 130e9, "float16": 130e9}, 13e9, 2.0e9, 165e-6, 2.0e9, 165e-6, 64,
+        memory=24 * 2 ** 30 / 8,
         efficiency=1.0, shared=True, per_collective=True,
         source="python benchmarks/cpu_profile.py on this 2-core machine, 8 fake devices at once: 256^3 fp32 "
                "products 123-141 GFLOP/s, an elementwise pass 12-14 GB/s, a collective 149-181 us plus the bytes "
@@ -97,6 +102,24 @@ def _collective(mesh: Mesh, kind: Kind, axes, nbytes: int, count: int, profile: 
     return count * steps * lat + nbytes / bw, out
 
 
+def comm_time(mesh: Mesh, records, profile: Profile) -> tuple[float, float]:
+    """Seconds of ``records`` (kind, axes, nbytes) inside nodes and across them, none overlapped;
+    gradient sums (records with ``param`` set, in the backward) joined in buckets of
+    ``profile.bucket_bytes`` per (kind, axes), as DDP and parlay's torch backend join them."""
+    intra = inter = 0.0
+    buckets: dict = {}  # (kind, axes) -> bytes of the parameters' gradient sums
+    for r in records:
+        if getattr(r, "param", "") and r.backward:
+            buckets[r.kind, r.axes] = buckets.get((r.kind, r.axes), 0) + r.nbytes
+            continue
+        t, out = _collective(mesh, r.kind, r.axes, r.nbytes, 1, profile)
+        intra, inter = (intra, inter + t) if out else (intra + t, inter)
+    for (kind, axes), nbytes in buckets.items():
+        t, out = _collective(mesh, kind, axes, nbytes, max(1, math.ceil(nbytes / profile.bucket_bytes)), profile)
+        intra, inter = (intra, inter + t) if out else (intra + t, inter)
+    return intra, inter
+
+
 @dataclass(frozen=True)
 class StepTime:
     compute: float  # seconds: matrix products and the memory-bound rest
@@ -121,16 +144,6 @@ def step_time(mesh: Mesh, records, flops: int, written: int, optimizer_elems: in
     devices = mesh.size if profile.shared else 1
     peak = profile.flops[dtype] * profile.efficiency
     compute = devices * (flops / peak + 2 * written / profile.memory_bw)
-    intra = inter = 0.0
-    buckets: dict = {}  # (kind, axes) -> bytes of the parameters' gradient sums, joined into buckets
-    for r in records:
-        if getattr(r, "param", "") and r.backward:
-            buckets[r.kind, r.axes] = buckets.get((r.kind, r.axes), 0) + r.nbytes
-            continue
-        t, out = _collective(mesh, r.kind, r.axes, r.nbytes, 1, profile)
-        intra, inter = (intra, inter + t) if out else (intra + t, inter)
-    for (kind, axes), nbytes in buckets.items():
-        t, out = _collective(mesh, kind, axes, nbytes, max(1, math.ceil(nbytes / profile.bucket_bytes)), profile)
-        intra, inter = (intra, inter + t) if out else (intra + t, inter)
+    intra, inter = comm_time(mesh, records, profile)
     optimizer = devices * optimizer_elems * 4 * 4 * 2 / profile.memory_bw  # p, g, m, v: read and written
     return StepTime(compute, intra + inter, optimizer, intra, inter)
