@@ -163,6 +163,20 @@ class TrafficComm(ShapeComm):
     def all_gather_many(self, xs, dims, axes):
         return [self.run_step(AllGather(tuple(axes), d), x, self.mesh) for x, d in zip(xs, dims)]
 
+    def custom(self, fwd, bwd, *xs):
+        """A custom op (ring attention) whose backward's collectives count in the layer its forward
+        ran in: JAX traces the backward after the whole forward, when ``where`` names the head."""
+        where = self.where
+
+        def scoped(res, g):
+            outer, self.where = self.where, where
+            try:
+                return bwd(res, g)
+            finally:
+                self.where = outer
+
+        return super().custom(fwd, scoped, *xs)
+
     def shift(self, x, axes, *, backward=False):
         self.log.record(Kind.PERMUTE, tuple(axes), math.prod(x.shape) * x.dtype.itemsize, backward, dtype=x.dtype,
                         where=self.where)
