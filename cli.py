@@ -381,6 +381,11 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} {getattr(args, flag)} must be positive")
     check_output_file(args.json, "--json", (".json",))
+    if args.devices is not None:
+        return _plan_search(args, console)
+    if not args.mesh or not args.strategy:
+        raise UsageError("parlay plan needs --mesh and --strategy (one layout to explain) or --devices N (search the "
+                         "layouts on N devices)")
     program = program_from(args.model, args.strategy, parse_mesh(args.mesh), batch=args.batch,
                            microbatches=args.microbatches, schedule=args.schedule, virtual=args.virtual_stages,
                            remat=args.remat, precision=args.precision, offload=args.offload)
@@ -401,6 +406,50 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _plan_search(args: argparse.Namespace, console: Console) -> int:
+    """``parlay plan --devices N``: the searching.py search, its best layouts and why the others lost."""
+    import json
+    import time
+
+    from .core.loading import load_model
+    from .searching import print_search, search
+
+    if args.devices < 1:
+        raise UsageError(f"--devices {args.devices} must be positive")
+    if args.memory is not None and args.memory <= 0:
+        raise UsageError(f"--memory {args.memory} must be a positive number of GiB")
+    if args.top < 1:
+        raise UsageError(f"--top {args.top} must be positive")
+    given = [f for f, v in (("--mesh", args.mesh), ("--strategy", args.strategy)) if v]
+    if given:
+        raise UsageError(f"--devices searches the mesh and strategy; drop {' and '.join(given)} (or drop --devices to "
+                         f"explain that one layout)")
+    model, _ = load_model(args.model)
+    profile = args.profile or "h100"
+    t0 = time.perf_counter()
+    try:
+        ranked, invalid, s = search(model, args.devices, args.batch, profile,
+                                    memory=None if args.memory is None else args.memory * 2 ** 30, top=args.top,
+                                    workers=min(4, os.cpu_count() or 1))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    seconds = time.perf_counter() - t0
+    print_search(ranked, invalid, s, console, args.top, seconds, args.model)
+    fit = [e for e in ranked if e.fits]
+    if fit:
+        console.print(f"to explain #1: parlay plan {fit[0].candidate.command(args.model, args.batch)} --profile "
+                      f"{profile}", soft_wrap=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "devices": args.devices, "batch": args.batch, "profile": profile,
+                       "memory_bytes": s.memory, "seconds": seconds, "unit_traces": s.traces,
+                       "layouts": [e.to_json() for e in ranked],
+                       "do_not_divide": [{"strategy": c.strategy(), "mesh": c.mesh_text(), "why": why}
+                                         for c, why in invalid]}, f, indent=1)
         console.print(f"wrote {args.json}")
     return 0
 
@@ -801,7 +850,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "parameters held whole on every rank, a pipeline's bubble. Nothing runs: the step is traced "
                     "on shapes on this CPU, for any mesh size.",
     )
-    _add_run_flags(pl, steps=None, batch=8)
+    _add_run_flags(pl, steps=None, batch=8, mesh="", strategy="")
+    pl.add_argument("--devices", type=int, default=None, metavar="N",
+                    help="instead of --mesh and --strategy: search the layouts of the model on N devices (meshes of "
+                         "pp, dp, ulysses/ring and tensor axes; dp/zero1/zero2/fsdp, tp/tp_sp/2D/2.5D/3D, pp with "
+                         "1F1B or interleaved, microbatch sizes, block remat, precision) and print the best by "
+                         "predicted step time on --profile (default h100), with why the others lost")
+    pl.add_argument("--memory", type=float, default=None, metavar="GIB",
+                    help="with --devices: the memory of one device a layout must fit in (default: the profile's)")
+    pl.add_argument("--top", type=int, default=5, metavar="K", help="with --devices: how many layouts to print")
     pl.add_argument("--backend", choices=("torch", "jax"), default="torch",
                     help="whose pipeline stash the memory counts (torch keeps each in-flight microbatch's graph)")
     pl.add_argument("--profile", default=None, choices=sorted(PROFILES),
