@@ -181,8 +181,8 @@ def _trace_unit(args) -> tuple:
     s = Search(model, batch, profile, memory, backend)
     try:
         unit = s.unit(c)
-    except ValueError as e:
-        return e, 0
+    except ValueError as e:  # back to the parent as a plain ValueError: a subclass may not unpickle
+        return ValueError(str(e)), 0
     for data in datas:
         s.data_records(replace(c, data=data), unit)
     s.remat_kept(c, unit)

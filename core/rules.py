@@ -29,8 +29,11 @@ class RuleError(ValueError):
     """A rule set does not fit a mesh or a set of tensors; ``problems`` lists each failure."""
 
     def __init__(self, headline: str, problems: Sequence[str]):
-        self.problems = tuple(problems)
+        self.headline, self.problems = headline, tuple(problems)
         super().__init__(headline + "\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+    def __reduce__(self):  # pickles (a worker process raises it): the default would call __init__(message)
+        return type(self), (self.headline, self.problems)
 
 
 def _axes_of(value: object, name: str) -> tuple[str, ...]:

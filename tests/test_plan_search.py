@@ -129,3 +129,12 @@ def test_bad_search_flags(capsys):
     assert main(["plan", "--model", "tiny"]) == 2
     assert "--devices N" in capsys.readouterr().err
     assert main(["plan", "--devices", "8", "--profile", "cpu", "--memory", "-1"]) == 2
+
+
+def test_workers_return_layouts_that_do_not_divide():
+    # 6 heads: tp=4 and ulysses=4 do not divide them; the worker's RuleError comes back as the reason
+    cfg = GPTConfig(vocab=96, seq=16, embed=24, heads=6, kv_heads=6, layers=2, mlp=48)
+    ranked, invalid, _ = search(GPT(cfg), 4, 8, "cpu", top=2, workers=2)
+    assert ranked and any(e.fits for e in ranked)
+    assert invalid and all(why for _, why in invalid)
+    assert any(c.tp_size == 4 or c.seq_size == 4 for c, _ in invalid)

@@ -85,3 +85,12 @@ def test_single_resolve_error():
 def test_bad_rules(rules, err, match):
     with pytest.raises(err, match=match):
         Rules(rules)
+
+
+def test_rule_errors_pickle():
+    import pickle
+
+    from parlay.core.rules import RuleError
+
+    e = pickle.loads(pickle.dumps(RuleError("rules do not fit", ["a", "b"])))
+    assert isinstance(e, RuleError) and e.problems == ("a", "b") and str(e) == "rules do not fit\n  - a\n  - b"
