@@ -167,6 +167,7 @@ class ShardedOps:
         self.scope = ""  # the layer of the latest parameter asked for (faults and the bisect use it)
         self._done: set[str] = set()
         self._gathered: dict[str, Sharded] = {}
+        self._recent: list[tuple[Sharded, tuple, Sharded]] = []  # einsum operands' moves (``_moved``)
 
     # -- values ---------------------------------------------------------------------------------
     def _make(self, local, layout: Layout, shape, varying) -> Sharded:
@@ -361,10 +362,30 @@ class ShardedOps:
     def einsum(self, equation: str, *operands: Sharded) -> Sharded:
         plan = plan_einsum(equation, [o.layout for o in operands], [o.shape for o in operands],
                            itemsize=_itemsize(operands[0].local))
-        operands = self._vary_early(plan.operand_plans, operands)
-        moved = self._c(*self._align(*(self._run(p, o) for p, o in zip(plan.operand_plans, operands))))
+        varied = self._vary_early(plan.operand_plans, operands)
+        moved = self._c(*self._align(*(self._moved(p, v, o) for p, v, o in zip(plan.operand_plans, varied, operands))))
         out = self.local.einsum(equation, *(m.local for m in moved))
         return self._make(out, plan.out, plan.out_shape, moved[0].varying)
+
+    def _moved(self, plan: Plan, x: Sharded, value: Sharded) -> Sharded:
+        """``plan`` run on ``x`` (``value`` as ``_vary_early`` left it), once per value: q, k and v
+        (SwiGLU's two inputs) are einsums of one normed activation, and under 2D/2.5D/3D each would
+        gather it again (and reduce-scatter its gradient again). The last few moves are kept, for
+        activations only (a parameter is the same object in every microbatch a stage runs), and
+        never across a checkpointed layer's boundary (``forget``): the recomputation moves its own."""
+        if not plan.steps or value.name is not None:
+            return self._run(plan, x)
+        key = (plan.dst, x.varying)
+        for seen, k, out in self._recent:
+            if seen is value and k == key:
+                return out
+        out = self._run(plan, x)
+        self._recent = [(value, key, out)] + self._recent[:3]
+        return out
+
+    def forget(self) -> None:
+        """Drop the kept moves (a checkpointed layer starts and ends with none: ``core/remat.py``)."""
+        self._recent = []
 
     def _vary_early(self, plans: Sequence[Plan], operands: Sequence[Sharded]) -> list[Sharded]:
         """Operands whose plans gather (the block grows) varied before their plans, over the axes

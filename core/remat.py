@@ -75,8 +75,21 @@ def run_layers(model, remat: Remat, ops, params, layers, x, checkpoint: Callable
         if remat is Remat.NONE or checkpoint is None:
             x = model.layer(ops, params, i, x)
         else:
-            x = checkpoint(lambda h, i=i: model.layer(ops, params, i, h), x)
+            x = checkpoint(lambda h, i=i: _fresh(ops, lambda: model.layer(ops, params, i, h)), x)
     return x
+
+
+def _fresh(ops, fn):
+    """``fn()`` with the executor's kept moves dropped before and after (``ShardedOps.forget``): a
+    value moved outside a checkpointed layer is not reused inside it, nor one of its values after."""
+    forget = getattr(ops, "forget", None)
+    if forget is not None:
+        forget()
+    try:
+        return fn()
+    finally:
+        if forget is not None:
+            forget()
 
 
 def on_blocks(checkpoint: Callable[[Callable, Any], Any]) -> Callable[[Callable, Any], Any]:

@@ -43,6 +43,12 @@ def custom_op(fwd, bwd, *xs):
     return f(*xs)
 
 
+try:  # Varying -> Invariant, JAX's own transpose of a slice of an invariant value (not exported by lax)
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover - another JAX: the slice transposes to a sum (2x the bytes)
+    _all_gather_invariant = None
+
+
 class VarianceMismatch(AssertionError):
     """JAX says a value varies over an axis the executor calls invariant."""
 
@@ -71,8 +77,18 @@ class JaxComm:
         return out
 
     def slice_shared(self, step, x, plan_mesh):
-        # JAX tracks variance itself: the slice of an invariant value transposes to its sum.
-        return self.run_step(step, self.vary(x, tuple({a.partition(".")[0] for a in step.axes})), plan_mesh)
+        """The slice of a value every member of the group holds, its gradient's blocks gathered
+        (an all-gather that leaves it invariant): torch's transpose and the plan's. The slice of a
+        varied value would transpose to a sum of the zero-padded gradient: twice the bytes."""
+        base = tuple({a.partition(".")[0] for a in step.axes})
+        run = lambda v: self.run_step(step, self.vary(v, base), plan_mesh)
+        if _all_gather_invariant is None:
+            return run(x)
+        names = self.atoms.names(step.axes, plan_mesh)
+        sliced = jax.custom_vjp(run)
+        sliced.defvjp(lambda v: (run(v), None),
+                      lambda _, g: (_all_gather_invariant(g, names, axis=step.dim, tiled=True),))
+        return sliced(x)
 
     def vary(self, x, axes, *, param=None):
         names = tuple(n for n in self.atoms.names(axes) if n not in _vma(x))

@@ -238,11 +238,14 @@ def all_reduce(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None =
     return _AllReduce.apply(x, _Ctx(tm, tuple(axes), None, log, Source.OP)) if axes else x
 
 
-def all_max(x: torch.Tensor, axes, tm: TorchMesh) -> torch.Tensor:
-    """The max over ``axes``, outside autograd (a shift that cancels in the loss)."""
+def all_max(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
+    """The max over ``axes``, outside autograd (a shift that cancels in the loss); logged as the
+    all-reduce it is (an all-reduce with max moves the bytes of one with sum)."""
     out = x.detach().clone()
     if axes:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=tm.group(tuple(axes))[0])
+        c = _Ctx(tm, tuple(axes), None, log, Source.OP)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=c.pg)
+        c.note(Kind.ALL_REDUCE, 2 * (c.n - 1) * out.numel() // c.n * out.element_size(), False, out.dtype)
     return out
 
 

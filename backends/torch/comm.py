@@ -38,7 +38,7 @@ class TorchComm:
         return all_reduce(x, axes, self.tm, self.log)
 
     def pmax(self, x: torch.Tensor, axes) -> torch.Tensor:
-        return all_max(x, axes, self.tm)
+        return all_max(x, axes, self.tm, self.log)
 
     def axis_index(self, axes) -> int:
         return self.mesh.index_in_group(self.tm.rank, axes)
