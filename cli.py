@@ -20,6 +20,7 @@ from rich.text import Text
 from .checkpoint import Checkpoint, CheckpointError, latest
 from .core import Layout, Mesh, P, Plan, plan_redistribute
 from .core.cost import PROFILES
+from .core.traffic import NORM_BYTES
 from .core.models.gpt import PRESETS
 from .core.rules import RuleError
 from .core.pipeline import PipelineError
@@ -403,11 +404,43 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
                           f"{1e3 * t.intra:.3f}, across {1e3 * t.inter:.3f}) + optimizer {1e3 * t.optimizer:.3f}",
                           soft_wrap=True)
         data["predicted"] = {"profile": args.profile, **(t.to_json() if t is not None else {})}
+    if args.check:
+        data["check"] = _plan_check(report, console).to_json()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _plan_check(report, console: Console):
+    """``parlay plan --check``: the plan beside what XLA compiles (backends/jax/plan_check.py)."""
+    from .backends.jax.plan_check import check_plan
+
+    try:
+        check = check_plan(report)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    table = Table(title="the plan against XLA's compiled step (JAX explicit, this machine; bytes rank 0 / device 0 "
+                        "sends)", title_justify="left")
+    for col in ("phase", "kind", "plan #", "plan bytes", "HLO #", "HLO bytes", ""):
+        table.add_column(col, justify="right" if col.startswith(("plan", "HLO")) else "left", no_wrap=True)
+    for r in check.rows:
+        verdict = "equal" if r.equal else f"{r.xla_bytes - r.plan_bytes:+,} bytes"
+        table.add_row(r.phase, r.kind, str(r.plan_count), f"{r.plan_bytes:,}", str(r.xla_count), f"{r.xla_bytes:,}",
+                      verdict, style=None if r.equal else "yellow")
+    console.print(table)
+    console.print("counts differ where XLA combines collectives of one group into one instruction; bytes are "
+                  f"compared. The clip norm: the plan counts torch's one float64 all-reduce ({NORM_BYTES} bytes); XLA "
+                  f"all-reduces {check.norm_bytes:,} bytes of float32 partial sums.", soft_wrap=True)
+    (pa, xa), (pp, xp) = check.activations, check.peak
+    console.print(f"activations (JAX keeps): predicted {_size(pa)}, XLA's temporary bytes of the gradients "
+                  f"{_size(xa)}: {pa / xa:.3f}x; peak: predicted {_size(pp)}, XLA's step (arguments + outputs - "
+                  f"donated + temporary) {_size(xp)}: {pp / xp:.3f}x", soft_wrap=True)
+    if not check.equal:
+        console.print("the plan and XLA move different bytes in the rows marked: README, 'Checking a plan against "
+                      "XLA', says which differences are known and why", style="yellow", soft_wrap=True)
+    return check
 
 
 def _plan_search(args: argparse.Namespace, console: Console) -> int:
@@ -864,6 +897,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--profile", default=None, choices=sorted(PROFILES),
                     help="predict the step's time on this hardware (core/cost.py: h100, h200, a100 nodes of 8 with "
                          "InfiniBand between them; cpu: this machine's 8 fake JAX devices)")
+    pl.add_argument("--check", action="store_true",
+                    help="also compile the step on this machine's JAX devices (explicit mode, nothing runs) and put "
+                         "the plan beside XLA: collective bytes by kind against the optimized HLO's, activations "
+                         "and peak against memory_analysis()")
     pl.add_argument("--json", default=None, help="write the report here")
     pl.set_defaults(run=_cmd_plan)
     e = sub.add_parser("export-hf", help="a parlay checkpoint as a Hugging Face folder (GPT-2 or LLaMA)",

@@ -1,0 +1,148 @@
+"""``parlay plan --check``: the plan against what XLA compiles for the same program.
+
+The program is built on this machine's JAX devices in explicit mode (``shard_map``, parlay's own
+collectives) and its two jitted functions compiled, nothing run:
+
+- the loss and gradients: the collectives of its optimized HLO (``hlo.parse_collectives``),
+  device 0's bytes by kind, against the plan's forward and backward records (rank 0's); and the
+  temporary bytes of its ``memory_analysis()`` against the activations the plan predicts;
+- the whole training step (gradients and AdamW's update, the state donated): its collectives
+  less the gradients' are the optimizer's, against the plan's optimizer records; its
+  ``memory_analysis()`` total (arguments + outputs - aliased + temporary) against the plan's
+  predicted peak.
+
+Counts differ by design: XLA combines collectives of one group into one instruction (its
+all-reduce combiner) and drops a collective whose result another already computed. Bytes are
+compared instead: equal up to the rounding of the ring formula (each record and each
+instruction rounds to whole bytes, ``tolerance``). Where they differ the check says so, with the
+kinds' rows side by side; the README's "Checking a plan against XLA" lists the differences
+measured for the built-in strategies and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...core.program import Program
+
+__all__ = ["KindCheck", "PlanCheck", "check_plan"]
+
+PHASES = ("fwd+bwd", "optimizer")
+
+
+@dataclass(frozen=True)
+class KindCheck:
+    """One kind of collective in one phase: the plan's records against XLA's instructions."""
+
+    phase: str
+    kind: str
+    plan_count: int
+    plan_bytes: int  # rank 0 sends (the plan)
+    xla_count: int
+    xla_bytes: int  # device 0 sends (the optimized HLO)
+
+    @property
+    def tolerance(self) -> int:
+        """The ring formula rounds each record down to whole elements (at most 4 bytes each) and
+        each HLO instruction up to a whole byte."""
+        return 4 * self.plan_count + self.xla_count
+
+    @property
+    def equal(self) -> bool:
+        return abs(self.xla_bytes - self.plan_bytes) <= self.tolerance
+
+    def to_json(self) -> dict:
+        return {"phase": self.phase, "kind": self.kind, "plan": [self.plan_count, self.plan_bytes],
+                "xla": [self.xla_count, self.xla_bytes], "equal": self.equal}
+
+
+@dataclass
+class PlanCheck:
+    rows: list[KindCheck] = field(default_factory=list)
+    norm_bytes: int = 0  # XLA's clip-norm partial sums: scalar all-reduces the optimizer adds
+    activations: tuple[int, int] = (0, 0)  # (predicted, XLA temporary bytes of the gradients)
+    peak: tuple[int, int] = (0, 0)  # (predicted, XLA's total for the step)
+
+    @property
+    def equal(self) -> bool:
+        return all(r.equal for r in self.rows)
+
+    def to_json(self) -> dict:
+        ratio = lambda pair: pair[0] / pair[1] if pair[1] else None
+        return {"collectives": [r.to_json() for r in self.rows], "xla_clip_norm_bytes": self.norm_bytes,
+                "activations": {"predicted": self.activations[0], "xla_temp": self.activations[1],
+                                "ratio": ratio(self.activations)},
+                "peak": {"predicted": self.peak[0], "xla_total": self.peak[1], "ratio": ratio(self.peak)}}
+
+
+def _by_kind(colls, device: int = 0) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for c in colls:
+        row = out.setdefault(c.kind.value, [0, 0])
+        row[0] += 1
+        row[1] += c.per_device.get(device, 0)
+    return out
+
+
+def _scalar_all_reduce_bytes(colls, device: int = 0) -> int:
+    """Device ``device``'s bytes in all-reduces of one-element operands (norms' partial sums)."""
+    from ...core import Kind, collective_bytes
+
+    return sum(collective_bytes(Kind.ALL_REDUCE, c.group_size, 1, c.itemsize) * c.operand_elems.count(1)
+               for c in colls if c.kind is Kind.ALL_REDUCE and device in c.per_device)
+
+
+def check_plan(report, batch=None) -> PlanCheck:
+    """Compile ``report.program`` on JAX explicit and compare (module docstring)."""
+    import numpy as np
+
+    from ...core import get_backend
+    from ...core.memory import memory_report
+    from ...core.ops import step_words
+    from .hlo import parse_collectives
+
+    program: Program = report.program
+    if program.pipeline is not None:
+        raise ValueError(f"--check compiles one step without a pipeline; {program.strategy.name!r} runs pp (its "
+                         f"stages' collectives are not in the plan's records yet): check the layout without pp")
+    memory = memory_report(program, "jax")  # what JAX keeps (torch's autograd keeps other values)
+    if memory.activations is None:
+        raise ValueError(f"--check needs the plan's memory prediction: {memory.detail}")
+    if batch is None:  # compiled, never run: the values do not matter
+        batch = {k: np.zeros(d.shape, d.dtype.numpy) for k, d in program.inputs.items()}
+
+    def compile_both(session, batch):
+        grads = session._grads.lower(session.state["params"], session._place_microbatches(batch),
+                                     step_words(0)).compile()
+        step = session._step.lower(session.state, *session._step_args(batch)).compile()
+        return grads.as_text(), grads.memory_analysis(), step.as_text(), step.memory_analysis()
+
+    g_hlo, g_mem, s_hlo, s_mem = get_backend("jax").run(program, compile_both, batch)
+    n = program.mesh.size
+    g_colls, s_colls = parse_collectives(g_hlo, n), parse_collectives(s_hlo, n)
+    g, s = _by_kind(g_colls), _by_kind(s_colls)
+    opt = {k: [s.get(k, [0, 0])[i] - g.get(k, [0, 0])[i] for i in (0, 1)] for k in set(s) | set(g)}
+    norm = _scalar_all_reduce_bytes(s_colls) - _scalar_all_reduce_bytes(g_colls)
+    if "all-reduce" in opt:  # the norm's partial sums are reported on their own line
+        opt["all-reduce"][1] -= norm
+
+    out = PlanCheck(norm_bytes=norm)
+    for phase, plan_phases, xla in ((PHASES[0], ("forward", "backward"), g), (PHASES[1], ("optimizer",), opt)):
+        plan: dict[str, list[int]] = {}
+        for p in plan_phases:
+            for r in report.records.get(p, ()):
+                if r.kind.value == "local-slice":
+                    continue
+                row = plan.setdefault(r.kind.value, [0, 0])
+                row[0] += 1
+                row[1] += r.nbytes
+        for kind in sorted(set(plan) | set(xla)):
+            (pc, pb), (xc, xb) = plan.get(kind, [0, 0]), xla.get(kind, [0, 0])
+            if pc or pb or xb:  # (a count alone: XLA combined the two functions' differently)
+                out.rows.append(KindCheck(phase, kind, pc, pb, max(xc, 0), xb))
+    m = memory
+    out.activations = (m.activations, g_mem.temp_size_in_bytes)
+    total = (s_mem.argument_size_in_bytes + s_mem.output_size_in_bytes - s_mem.alias_size_in_bytes
+             + s_mem.temp_size_in_bytes)
+    out.peak = (m.peak, total)
+    return out
