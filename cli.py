@@ -383,6 +383,9 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
             raise UsageError(f"--{flag} {getattr(args, flag)} must be positive")
     check_output_file(args.json, "--json", (".json",))
     if args.devices is not None:
+        if args.check:
+            raise UsageError("--check compiles one layout; with --devices N the search prints the command that "
+                             "explains its best layout: run that with --check")
         return _plan_search(args, console)
     if not args.mesh or not args.strategy:
         raise UsageError("parlay plan needs --mesh and --strategy (one layout to explain) or --devices N (search the "
@@ -437,6 +440,14 @@ def _plan_check(report, console: Console):
     console.print(f"activations (JAX keeps): predicted {_size(pa)}, XLA's temporary bytes of the gradients "
                   f"{_size(xa)}: {pa / xa:.3f}x; peak: predicted {_size(pp)}, XLA's step (arguments + outputs - "
                   f"donated + temporary) {_size(xp)}: {pp / xp:.3f}x", soft_wrap=True)
+    program = report.program
+    if program.microbatches > 1:
+        console.print(f"with {program.microbatches} microbatches both sides count one: the plan one microbatch's "
+                      f"collectives, the HLO the accumulation loop's body once (it runs {program.microbatches} times)",
+                      soft_wrap=True)
+    if program.remat.value != "none":
+        console.print(f"remat {program.remat.value}: the HLO holds the collectives the backward's recomputation runs "
+                      f"again; the plan does not count them", soft_wrap=True)
     if not check.equal:
         console.print("the plan and XLA move different bytes in the rows marked: README, 'Checking a plan against "
                       "XLA', says which differences are known and why", style="yellow", soft_wrap=True)

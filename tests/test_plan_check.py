@@ -68,3 +68,5 @@ def test_parlay_plan_check_prints_and_writes_it(tmp_path, capsys):
     assert all(r["equal"] for r in check["collectives"]) and check["peak"]["xla_total"] > 0
     assert main(["plan", "--strategy", "pp", "--mesh", "pp=2", "--microbatches", "2", "--check"]) == 2
     assert "--check compiles one step without a pipeline" in capsys.readouterr().err
+    assert main(["plan", "--devices", "8", "--check"]) == 2
+    assert "with --devices N the search prints the command" in capsys.readouterr().err
