@@ -426,20 +426,23 @@ def _plan_check(report, console: Console):
         raise UsageError(str(e)) from None
     table = Table(title="the plan against XLA's compiled step (JAX explicit, this machine; bytes rank 0 / device 0 "
                         "sends)", title_justify="left")
-    for col in ("phase", "kind", "plan #", "plan bytes", "HLO #", "HLO bytes", ""):
-        table.add_column(col, justify="right" if col.startswith(("plan", "HLO")) else "left", no_wrap=True)
+    for col in ("phase", "kind", "plan #", "plan bytes", "HLO #", "HLO bytes", "diff"):
+        table.add_column(col, justify="left" if col in ("phase", "kind") else "right", no_wrap=True)
     for r in check.rows:
-        verdict = "equal" if r.equal else f"{r.xla_bytes - r.plan_bytes:+,} bytes"
+        verdict = "equal" if r.equal else f"{r.xla_bytes - r.plan_bytes:+,}"
         table.add_row(r.phase, r.kind, str(r.plan_count), f"{r.plan_bytes:,}", str(r.xla_count), f"{r.xla_bytes:,}",
                       verdict, style=None if r.equal else "yellow")
     console.print(table)
-    console.print("counts differ where XLA combines collectives of one group into one instruction; bytes are "
-                  f"compared. The clip norm: the plan counts torch's one float64 all-reduce ({NORM_BYTES} bytes); XLA "
-                  f"all-reduces {check.norm_bytes:,} bytes of float32 partial sums.", soft_wrap=True)
+    norm = (f"XLA all-reduces {check.norm_bytes:,} bytes of float32 partial sums, one per sharded parameter"
+            if check.norm_bytes else "XLA needs none (no parameter is sharded)")
+    console.print("equal: within 4 bytes a plan record + 1 an HLO instruction (the ring formula's rounding); counts "
+                  "differ where XLA combines collectives of one group into one instruction. Left out of the rows, "
+                  f"the clip norm: the plan states torch's one float64 all-reduce ({NORM_BYTES} bytes); {norm}.",
+                  soft_wrap=True)
     (pa, xa), (pp, xp) = check.activations, check.peak
-    console.print(f"activations (JAX keeps): predicted {_size(pa)}, XLA's temporary bytes of the gradients "
-                  f"{_size(xa)}: {pa / xa:.3f}x; peak: predicted {_size(pp)}, XLA's step (arguments + outputs - "
-                  f"donated + temporary) {_size(xp)}: {pp / xp:.3f}x", soft_wrap=True)
+    console.print(f"memory, predicted / XLA: activations kept for the backward {_size(pa)} / {_size(xa)} (the "
+                  f"gradient function's temporary bytes) = {pa / xa:.3f}; peak {_size(pp)} / {_size(xp)} (the step's "
+                  f"arguments + outputs - donated + temporary bytes) = {pp / xp:.3f}", soft_wrap=True)
     program = report.program
     if program.microbatches > 1:
         console.print(f"with {program.microbatches} microbatches both sides count one: the plan one microbatch's "
@@ -448,6 +451,9 @@ def _plan_check(report, console: Console):
     if program.remat.value != "none":
         console.print(f"remat {program.remat.value}: the HLO holds the collectives the backward's recomputation runs "
                       f"again; the plan does not count them", soft_wrap=True)
+    if program.precision.dtype == "bfloat16" and not check.equal:
+        console.print("bf16: XLA's CPU backend has no bf16 collectives and sends them as float32 (twice the bytes); "
+                      "the plan counts bf16, as a GPU sends them", soft_wrap=True)
     if not check.equal:
         console.print("the plan and XLA move different bytes in the rows marked: README, 'Checking a plan against "
                       "XLA', says which differences are known and why", style="yellow", soft_wrap=True)
