@@ -418,10 +418,10 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 
 def _plan_check(report, console: Console):
     """``parlay plan --check``: the plan beside what XLA compiles (backends/jax/plan_check.py)."""
-    from .backends.jax.plan_check import check_plan
+    from .core import get_backend
 
     try:
-        check = check_plan(report)
+        check = get_backend("jax").check_plan(report)
     except ValueError as e:
         raise UsageError(str(e)) from None
     table = Table(title="the plan against XLA's compiled step (JAX explicit, this machine; bytes rank 0 / device 0 "

@@ -118,6 +118,12 @@ class JaxBackend:
 
         return trace_step(program)
 
+    def check_plan(self, report):
+        """``parlay plan --check``: the plan beside the compiled step (backends/jax/plan_check.py)."""
+        from .plan_check import check_plan
+
+        return check_plan(report)
+
     def prepare(self, mesh) -> None:
         n = 1 if self.mode is Mode.SINGLE else mesh.size
         if n > MAX_DEVICES:
