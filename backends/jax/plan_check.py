@@ -140,9 +140,8 @@ def check_plan(report, batch=None) -> PlanCheck:
             (pc, pb), (xc, xb) = plan.get(kind, [0, 0]), xla.get(kind, [0, 0])
             if pc or pb or xb:  # (a count alone: XLA combined the two functions' differently)
                 out.rows.append(KindCheck(phase, kind, pc, pb, max(xc, 0), xb))
-    m = memory
-    out.activations = (m.activations, g_mem.temp_size_in_bytes)
+    out.activations = (memory.activations, g_mem.temp_size_in_bytes)
     total = (s_mem.argument_size_in_bytes + s_mem.output_size_in_bytes - s_mem.alias_size_in_bytes
              + s_mem.temp_size_in_bytes)
-    out.peak = (m.peak, total)
+    out.peak = (memory.peak, total)
     return out

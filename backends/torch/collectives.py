@@ -70,9 +70,9 @@ def _all_to_all(x: torch.Tensor, split: int, concat: int, c: _Ctx, backward: boo
     return torch.cat(got, concat)
 
 
-def _all_reduce(x: torch.Tensor, c: _Ctx, backward: bool) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, c: _Ctx, backward: bool, op=dist.ReduceOp.SUM) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=c.pg)
+    dist.all_reduce(out, op=op, group=c.pg)
     c.note(Kind.ALL_REDUCE, 2 * (c.n - 1) * x.numel() // c.n * x.element_size(), backward, x.dtype)
     return out
 
@@ -241,12 +241,9 @@ def all_reduce(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None =
 def all_max(x: torch.Tensor, axes, tm: TorchMesh, log: CollectiveLog | None = None) -> torch.Tensor:
     """The max over ``axes``, outside autograd (a shift that cancels in the loss); logged as the
     all-reduce it is (an all-reduce with max moves the bytes of one with sum)."""
-    out = x.detach().clone()
-    if axes:
-        c = _Ctx(tm, tuple(axes), None, log, Source.OP)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=c.pg)
-        c.note(Kind.ALL_REDUCE, 2 * (c.n - 1) * out.numel() // c.n * out.element_size(), False, out.dtype)
-    return out
+    if not axes:
+        return x.detach().clone()
+    return _all_reduce(x.detach(), _Ctx(tm, tuple(axes), None, log, Source.OP), False, dist.ReduceOp.MAX)
 
 
 class _CoalescedAllGather(torch.autograd.Function):
