@@ -19,7 +19,7 @@ from .core.log import CollectiveLog, CollectiveRecord, layer_of
 from .core.memory import MemoryReport, memory_report
 from .core.program import Program
 from .core.steps import Kind
-from .core.cost import PROFILES, Profile, StepTime, step_time
+from .core.cost import PROFILES, Profile, StepTime, Written, step_time
 from .core.strategies import Role
 from .core.traffic import NORM_BYTES, optimizer_moves
 
@@ -36,7 +36,7 @@ class PlanReport:
     bubble: float | None = None  # the pipeline's idle share of a step (None: no pipeline)
     note: str = ""  # why something is not counted
     flops: int | None = None  # rank 0's matrix-product FLOPs in one forward and backward
-    written: int | None = None  # the bytes rank 0's other ops write in it (the memory-bound rest)
+    written: Written | None = None  # the bytes rank 0's other ops write in it (the memory-bound rest)
 
     def sent(self, phase: str | None = None) -> int:
         return sum(r.nbytes for p in ([phase] if phase else PHASES) for r in self.records.get(p, ()))

@@ -250,7 +250,7 @@ class Search:
             for layers in (1, 2):
                 prog = self._program(unit, layers, family, 2, batch)
                 log, flops, written = tracer.trace_step(prog)
-                got[layers] = (log, flops, written, memory_report(prog, self.backend))
+                got[layers] = (log, flops, written.on(self.profile), memory_report(prog, self.backend))
         except ValueError as e:
             self.units[key] = e
             raise

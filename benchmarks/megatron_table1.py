@@ -4,7 +4,7 @@ Clusters Using Megatron-LM", Table 1; also the Megatron-LM README: A100 80GB DGX
 NVLink, InfiniBand between nodes, sequence 2048, vocabulary 51200).
 
 For each row: the search on the "a100" profile (core/cost.py: datasheet figures, matrix products
-at half of peak) picks a layout for the row's GPUs and batch; and the row's own layout (its t, p
+at the A100's measured maximum matmul efficiency, kernels counted fused) picks a layout for the row's GPUs and batch; and the row's own layout (its t, p
 and d as Megatron ran it: tensor parallelism without sequence parallelism, one example per
 microbatch, every block recomputed, 1F1B) is costed by the same estimator. Throughput is the
 paper's own count: 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs a step (recompute included) over

@@ -3,7 +3,11 @@
 The model is the alpha-beta one, per device, with nothing overlapped:
 
 - compute: the step's matrix-product FLOPs at the profile's peak for the compute dtype times its
-  ``efficiency``, plus every other op's written bytes, read and written once, at memory bandwidth;
+  ``efficiency``, plus every other op's written bytes, read and written once, at memory bandwidth.
+  On a ``fused`` profile (the GPUs) an op that parlay's torch backend runs as one kernel there (the
+  Triton norms and flash attention, torch's one-kernel activations and softmax) writes only what
+  leaves it; elsewhere (the CPU profile, fitted to unfused counts) every traced op writes its
+  outputs (``Written``);
 - each collective: ``steps * latency + bytes / bandwidth`` (a ring's steps: n-1 for an all-gather,
   a reduce-scatter or an all-to-all, 2(n-1) for an all-reduce, 1 for a permute), over the
   intra-node link if its group stays inside one node and the inter-node link if it crosses one
@@ -18,11 +22,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .mesh import Mesh
 from .steps import Kind
 
-__all__ = ["Profile", "PROFILES", "StepTime", "step_time", "comm_time", "crosses_nodes"]
+__all__ = ["Profile", "PROFILES", "StepTime", "Written", "step_time", "comm_time", "crosses_nodes"]
+
+
+class Written(NamedTuple):
+    """The bytes one device's ops other than matrix products write in a step, counted two ways."""
+
+    ops: int  # every op writes its outputs
+    kernels: int  # an op that is one kernel on a GPU writes only what leaves it (backends/jax/memory.py)
+
+    def on(self, profile: "Profile") -> int:
+        return self.kernels if profile.fused else self.ops
 
 
 @dataclass(frozen=True)
@@ -36,28 +51,33 @@ class Profile:
     inter_latency: float
     node_devices: int  # devices per node
     memory: float = 0.0  # bytes of one device's memory, what a layout must fit in (0: not given)
-    efficiency: float = 0.5  # the share of peak FLOP/s matrix products reach
+    efficiency: float = 0.5  # the share of peak FLOP/s matrix products reach (the GPUs: measured, below)
     shared: bool = False  # every device runs on the same cores (a CPU host's fake devices)
     per_collective: bool = False  # the latency is paid once a collective (not once a ring step)
+    fused: bool = False  # ops that are one kernel here write only what leaves them (``Written.kernels``)
     bucket_bytes: int = 25 * 2 ** 20  # parameters' gradient sums are joined in buckets of this size
     source: str = ""  # where the figures come from
     notes: tuple = field(default=())
 
 
-# Published figures (dense, no sparsity), per device; links per direction.
+# Published figures (dense, no sparsity), per device; links per direction. ``efficiency`` is the
+# maximum achievable matmul FLOP/s over the peak, measured with bf16 inputs by Stas Bekman's
+# mamf-finder (ml-engineering, "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 267.9
+# of 312 TF (0.859, CUDA 12.1), H100 SXM 792.1 of 989 (0.801, CUDA 12.1); the H200 has the H100's
+# compute. It is a best shape's ceiling: a model's own shapes reach it or less.
 PROFILES = {
     "h100": Profile(
         "h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 450e9, 3e-6, 50e9, 10e-6, 8,
-        memory=80 * 2 ** 30,
+        memory=80 * 2 ** 30, fused=True, efficiency=0.801,
         source="NVIDIA H100 SXM datasheet (FP32 67 TF, BF16 989 TF dense, HBM3 3.35 TB/s, NVLink 900 GB/s both "
                "ways); one 400 Gb/s InfiniBand NIC per GPU"),
     "h200": Profile(
         "h200", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 4.8e12, 450e9, 3e-6, 50e9, 10e-6, 8,
-        memory=141e9,
+        memory=141e9, fused=True, efficiency=0.801,
         source="NVIDIA H200 SXM datasheet (H100's compute, HBM3e 4.8 TB/s); one 400 Gb/s InfiniBand NIC per GPU"),
     "a100": Profile(
         "a100", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 2.04e12, 300e9, 3e-6, 25e9, 10e-6, 8,
-        memory=80 * 2 ** 30,
+        memory=80 * 2 ** 30, fused=True, efficiency=0.859,
         source="NVIDIA A100 SXM 80GB datasheet (FP32 19.5 TF, BF16 312 TF, HBM2e 2.04 TB/s, NVLink 600 GB/s both "
                "ways); one 200 Gb/s HDR InfiniBand NIC per GPU (the DGX A100 of Megatron-LM's runs)"),
     # This machine (2 cores), measured by ``python benchmarks/cpu_profile.py`` (two runs, rounded): its
@@ -137,10 +157,12 @@ class StepTime:
                 "comm_intra_node_s": self.intra, "comm_inter_node_s": self.inter, "total_s": self.total}
 
 
-def step_time(mesh: Mesh, records, flops: int, written: int, optimizer_elems: int, profile: Profile,
+def step_time(mesh: Mesh, records, flops: int, written: "Written | int", optimizer_elems: int, profile: Profile,
               dtype: str = "float32") -> StepTime:
     """One step's seconds on ``profile``: rank 0's collectives (``records``: kind, axes, nbytes),
-    its matrix-product ``flops``, the bytes its other ops write, the elements of its AdamW shard."""
+    its matrix-product ``flops``, the bytes its other ops write (``Written``, or one count), the
+    elements of its AdamW shard."""
+    written = written.on(profile) if isinstance(written, Written) else written
     devices = mesh.size if profile.shared else 1
     peak = profile.flops[dtype] * profile.efficiency
     compute = devices * (flops / peak + 2 * written / profile.memory_bw)

@@ -60,9 +60,12 @@ def test_the_scaled_unit_is_the_full_programs_trace(exact):
         worst["compute"] = max(worst["compute"], abs(got.compute / want.compute - 1))
         worst["memory"] = max(worst["memory"], abs(got.memory / mem.peak - 1))
     # measured exact: 0.029 (fsdp's written bytes: the unit's data axis is 2, the case's 4) and 0. From
-    # one example (the search's first pass; its leaders are then costed exactly): 0.32 and 0.37 (fsdp's
-    # written bytes and activations taken from dp's unit, the largest value scaled by the examples)
-    assert worst["compute"] <= (0.05 if exact else 0.4), worst
+    # one example (the search's first pass; its leaders are then costed exactly): 0.42 and 0.37 (fsdp's
+    # written bytes and activations taken from dp's unit, the largest value scaled by the examples).
+    # The compute error was 0.32 when every op counted its writes: with the GPU's kernels counted
+    # fused, the rest of the written bytes shrink and fsdp's extra ones weigh more (0.41 at the
+    # same matmul efficiency, 0.42 at the measured 0.8).
+    assert worst["compute"] <= (0.05 if exact else 0.45), worst
     assert worst["memory"] <= (1e-9 if exact else 0.4), worst
 
 

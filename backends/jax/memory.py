@@ -14,12 +14,15 @@ makes its own choices: the README gives the measured difference).
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.ad_checkpoint import saved_residuals
+from jax.extend.core import Literal
 
+from ...core.cost import Written
 from ...core.executor import Sharded
 from ...core.program import Program
 from ...core.remat import remat_loss, run_layers
@@ -28,7 +31,7 @@ from ...core.log import CollectiveLog, Source, layer_of
 from ...core.steps import AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, ReduceScatter
 from ...core.strategies import Role
 from .comm import custom_op
-from .ops import JaxLocal
+from .ops import KERNEL, JaxLocal
 from .remat import jax_checkpoint
 
 __all__ = ["ShapeComm", "TrafficComm", "Scoped", "activation_bytes", "collective_traffic", "trace_step"]
@@ -209,7 +212,7 @@ def collective_traffic(program: Program) -> CollectiveLog:
     return trace_step(program)[0]
 
 
-def trace_step(program: Program) -> tuple[CollectiveLog, int, int]:
+def trace_step(program: Program) -> tuple[CollectiveLog, int, Written]:
     """One ``loss_and_grads`` of rank 0 traced on shapes: what it sends (``collective_traffic``),
     the FLOPs of its matrix products and the bytes its other ops write (``_work``)."""
     if program.pipeline is not None:
@@ -228,22 +231,46 @@ def trace_step(program: Program) -> tuple[CollectiveLog, int, int]:
         return scalar_loss(ops, loss)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, inputs)
-    return (log, *_work(jaxpr.jaxpr))
+    flops, written, fused = _work(jaxpr.jaxpr)
+    return log, flops, Written(written, fused)
 
 
-def _work(jaxpr) -> tuple[int, int]:
+def _work(jaxpr, inside: bool = False) -> tuple[int, int, int]:
     """One device's work in a traced step: the FLOPs of its matrix products (2 per multiply-add of
-    every ``dot_general``) and the bytes every other op writes (the memory-bound rest), nested
-    jaxprs (remat, custom rules, jit) included."""
-    flops = written = 0
-    for eqn in jaxpr.eqns:
+    every ``dot_general``) and the bytes its other ops write (the memory-bound rest), nested
+    jaxprs (remat, custom rules, jit) included, the bytes counted two ways (core/cost.py ``Written``):
+
+    - every op writes its outputs (an unfused program);
+    - an op that is one kernel on a GPU (``JaxLocal``'s ``kernel.*`` scopes: the norms, attention,
+      softmax, activations) writes only the values that leave it: its output and, in the backward,
+      its input gradients. What its forward hands its own backward is not counted (a Triton norm
+      keeps per-row statistics, flash attention the log-sum-exp: both recompute the rest), nor what
+      it computes inside (``inside``: this jaxpr is a kernel's body).
+    """
+    users: dict = {}  # a value -> the kernels that read it (None: an op outside any kernel)
+    kernels = [None if inside else _kernel_of(eqn) for eqn in jaxpr.eqns]
+    for eqn, k in zip(jaxpr.eqns, kernels):
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                users.setdefault(v, set()).add(k)
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal):
+            users.setdefault(v, set()).add(None)
+
+    def leaving(eqn, k) -> int:  # the bytes of a kernel's outputs that something else reads
+        return sum(_nbytes(v) for v in eqn.outvars if users.get(v, set()) - {k})
+
+    flops = written = fused = 0
+    for eqn, k in zip(jaxpr.eqns, kernels):
         subs = [v for v in eqn.params.values() if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
         subs += [b for v in eqn.params.values() if isinstance(v, (tuple, list)) for b in v
                  if hasattr(b, "eqns") or hasattr(b, "jaxpr")]
         if subs:
             for sub in subs:
-                f, w = _work(getattr(sub, "jaxpr", sub))
-                flops, written = flops + f, written + w
+                f, w, u = _work(getattr(sub, "jaxpr", sub), inside or k is not None)
+                flops, written, fused = flops + f, written + w, fused + u
+            if k is not None:
+                fused += leaving(eqn, k)
             continue
         if eqn.primitive.name == "dot_general":
             (lhs_contract, _), _ = eqn.params["dimension_numbers"]
@@ -251,9 +278,24 @@ def _work(jaxpr) -> tuple[int, int]:
             out = eqn.outvars[0].aval.shape
             flops += 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
         else:
-            written += sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.outvars
-                           if hasattr(getattr(v, "aval", None), "shape"))
-    return flops, written
+            nbytes = sum(_nbytes(v) for v in eqn.outvars)
+            written += nbytes
+            fused += 0 if inside else nbytes if k is None else leaving(eqn, k)
+    return flops, written, fused
+
+
+_KERNEL_NAME = re.compile(re.escape(KERNEL) + r"\w+")
+
+
+def _kernel_of(eqn) -> str | None:
+    """The kernel scope (``kernel.<op>``) an equation was traced in, if any: the innermost."""
+    names = _KERNEL_NAME.findall(str(eqn.source_info.name_stack))  # "transpose(jvp(kernel.attention))/..."
+    return names[-1] if names else None
+
+
+def _nbytes(v) -> int:
+    aval = getattr(v, "aval", None)
+    return math.prod(aval.shape) * aval.dtype.itemsize if hasattr(aval, "shape") else 0
 
 
 def _blocks(program: Program, role: Role, decls, dtype_of):

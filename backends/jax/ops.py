@@ -12,7 +12,20 @@ import numpy as np
 
 from ...core.ops import vocab_cross_entropy
 
-__all__ = ["JaxLocal"]
+__all__ = ["JaxLocal", "KERNEL"]
+
+KERNEL = "kernel."
+
+
+def _kernel(fn):
+    """An op that parlay's torch backend runs as one kernel on a GPU (a Triton norm or flash
+    attention, a torch activation): its equations are traced in the scope ``kernel.<op>``, so the
+    cost model can count only what leaves it (backends/jax/memory.py ``_work``). Names only."""
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        with jax.named_scope(KERNEL + fn.__name__):
+            return fn(*args, **kwargs)
+    return scoped
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -41,18 +54,23 @@ class JaxLocal:
     def einsum(self, equation, *xs):
         return jnp.einsum(equation, *xs, precision=jax.lax.Precision.HIGHEST)
 
+    @_kernel
     def gelu(self, x):
         return jax.nn.gelu(x, approximate=True)
 
+    @_kernel
     def silu(self, x):
         return jax.nn.silu(x)
 
+    @_kernel
     def relu(self, x):
         return jax.nn.relu(x)
 
+    @_kernel
     def tanh(self, x):
         return jnp.tanh(x)
 
+    @_kernel
     def softmax(self, x, dim):
         return _softmax(x.astype(jnp.float32), dim % x.ndim).astype(x.dtype)  # in float32 (core/precision.py)
 
@@ -72,10 +90,12 @@ class JaxLocal:
         return jax.lax.rsqrt(x)
 
     # The norms compute in float32 and hand back x's dtype (core/precision.py).
+    @_kernel
     def rms_norm(self, x, scale, eps):
         w = x.astype(jnp.float32)
         return (w * jax.lax.rsqrt(jnp.mean(w * w, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
 
+    @_kernel
     def layer_norm(self, x, scale, bias, eps):
         w = x.astype(jnp.float32)
         mean = jnp.mean(w, axis=-1, keepdims=True)
@@ -112,6 +132,7 @@ class JaxLocal:
         c, s = cos[None, :, None, :], sin[None, :, None, :]
         return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
 
+    @_kernel
     def attention(self, q, k, v, *, causal=True):
         B, S, H, D = q.shape
         group = H // k.shape[2]

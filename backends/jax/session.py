@@ -110,7 +110,7 @@ class JaxBackend:
 
         return activation_bytes(program, backend)
 
-    def trace_step(self, program: Program) -> tuple[CollectiveLog, int, int]:
+    def trace_step(self, program: Program) -> tuple[CollectiveLog, int, "Written"]:
         """What rank 0 sends in one forward and backward of ``program``, the FLOPs of its matrix
         products and the bytes its other ops write, traced on shapes (backends/jax/memory.py):
         no device, any mesh size."""

@@ -67,16 +67,18 @@ class TorchLocal:
     def rsqrt(self, x):
         return torch.rsqrt(x)
 
-    # The norms compute in float32 and hand back x's dtype (core/precision.py); the Triton
-    # kernels take float32 rows only.
+    # The norms compute in float32 and hand back x's dtype (core/precision.py). The Triton kernels
+    # do the same in any compute dtype: rows and weights read as float32, statistics float32, y
+    # and dx written in x's dtype (the weight's cast to it, as autocast's rule, is the caller's).
     def rms_norm(self, x, scale, eps):
-        if self.uses_triton(x, scale, supported=x.shape[-1] * x.element_size() <= 65536 and _f32(x, scale)):
+        if self.uses_triton(x, scale, supported=x.shape[-1] * x.element_size() <= 65536 and _same(x, scale)):
             return triton_kernels.rms_norm(x, scale, eps)
         w = x.float()
         return (w * torch.rsqrt(torch.mean(w * w, dim=-1, keepdim=True) + eps) * scale).to(x.dtype)
 
     def layer_norm(self, x, scale, bias, eps):
-        if self.uses_triton(x, scale, bias, supported=x.shape[-1] * x.element_size() <= 65536 and _f32(x, scale)):
+        if self.uses_triton(x, scale, bias, supported=x.shape[-1] * x.element_size() <= 65536
+                            and _same(x, scale, bias)):
             return triton_kernels.layer_norm(x, scale, bias, eps)
         w = x.float()
         mean = w.mean(-1, keepdim=True)
@@ -116,8 +118,9 @@ class TorchLocal:
         return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
 
     def attention(self, q, k, v, *, causal=True):
-        if self.uses_triton(q, k, v, supported=q.shape[-1] <= 256 and _f32(q, k, v)):
-            # The kernel takes (B, H, S, D): transposed views, no copies.
+        if self.uses_triton(q, k, v, supported=q.shape[-1] <= 256 and _same(q, k, v)):
+            # The kernel takes (B, H, S, D): transposed views, no copies. Its softmax is float32 and
+            # P @ V runs in v's dtype, as the torch path below (core/precision.py).
             with saved("attention"):
                 out = triton_kernels.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
                 return out.transpose(1, 2)  # (B, S, H, D)
@@ -154,3 +157,8 @@ class TorchLocal:
 
 def _f32(*xs: torch.Tensor) -> bool:
     return all(x.dtype == torch.float32 for x in xs)
+
+
+def _same(*xs: torch.Tensor) -> bool:
+    """One floating dtype for every operand (the kernels take float32, bfloat16 and float16)."""
+    return len({x.dtype for x in xs}) == 1

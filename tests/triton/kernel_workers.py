@@ -37,13 +37,13 @@ def count_launches() -> Iterator[Counter]:
         _launch._Kernel.__getitem__ = launch
 
 
-def single_loss_and_grads(model, params, batch):
+def single_loss_and_grads(model, params, batch, precision="fp32"):
     """The single-process torch reference (the kernel switch as the caller set it)."""
     from parlay import Mesh
     from parlay.backends.torch.session import TorchSingleSession
     from parlay.core.program import make_program
 
-    program = make_program(model, "dp", Mesh(dp=1), batch=len(batch["tokens"]))
+    program = make_program(model, "dp", Mesh(dp=1), batch=len(batch["tokens"]), precision=precision)
     return TorchSingleSession(program, params).loss_and_grads(batch)
 
 

@@ -46,6 +46,31 @@ def test_tiny_gpt_with_the_kernels_forced_equals_the_torch_ops(preset):
     _close(loss, grads, ref_loss, ref_grads)
 
 
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-gpt2"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_16_bit_run_uses_the_kernels_and_is_as_close_to_float32_as_the_torch_ops(preset, precision):
+    """Under bf16/fp16 the norms and attention get 16-bit operands (the loss float32 logits): the
+    kernels take them, as FlashAttention does. Both paths round differently, so each is held to
+    the float32 run: the loss within one unit roundoff u (measured at most 0.56u: the interpreter
+    truncates to bf16 where a GPU rounds to nearest, a bias that does not average out), each
+    gradient's error (of its largest element) at most 1.5x the torch ops' own (measured 1.26x).
+    A wrong kernel misses both by orders of magnitude."""
+    model, params, batch = gpt_inputs(preset)
+    with use_kernels("torch"):
+        ref_loss, ref_grads = single_loss_and_grads(model, params, batch)
+        t_loss, t_grads = single_loss_and_grads(model, params, batch, precision)
+    with use_kernels("triton"), count_launches() as launches:
+        loss, grads = single_loss_and_grads(model, params, batch, precision)
+    layers = model.config.layers
+    assert launches["_norm_fwd"] == launches["_norm_bwd"] == 2 * layers + 1, launches
+    assert launches["_attn_fwd"] == launches["_attn_bwd_dq"] == layers, launches
+    assert launches["_ce_stats"] == 1, launches
+    u = 2.0 ** -8 if precision == "bf16" else 2.0 ** -11
+    assert abs(loss - ref_loss) <= u * abs(ref_loss), (loss, ref_loss)
+    err = lambda g: max(np.abs(g[k] - ref_grads[k]).max() / np.abs(ref_grads[k]).max() for k in ref_grads)
+    assert err(grads) <= 1.5 * err(t_grads), (err(grads), err(t_grads))
+
+
 def test_the_explicit_choice_on_the_ops_wins_over_the_context():
     x, w = torch.randn(3, 8), torch.ones(8)
     with use_kernels("triton"), count_launches() as launches:
