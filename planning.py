@@ -96,25 +96,85 @@ def predict(report: PlanReport, profile: Profile | str) -> StepTime | None:
 def plan_report(program: Program, backend: str = "torch") -> PlanReport:
     """Every collective of one training step on rank 0 (forward, backward, optimizer step; local
     slices, which send nothing, left out), the memory of the busiest device on ``backend`` (a
-    pipeline's stash differs per framework), the pipeline's bubble."""
+    pipeline's stash differs per framework), the pipeline's bubble.
+
+    A step of m microbatches (accumulation, or a pipeline's) runs each microbatch's forward and
+    backward collectives m times; the parameters' gradient sums wait for the last microbatch and
+    run once (torch's gradient buckets). Under a pipeline, rank 0 runs its own stages' collectives
+    (each stage traced as the torch backend runs it), sends each microbatch's stage output to the
+    next pp rank and its input gradient to the previous one, sums the gradients of parameters
+    held by several pp ranks (a tied table) over pp, and steps its own parameters."""
     from .core.schedule import simulate_schedule
     from .core.session import get_backend
 
     report = PlanReport(program, memory=memory_report(program, backend))
-    if program.pipeline is not None:
-        report.bubble = simulate_schedule(program.pipeline.schedule).bubble
-        report.note = ("a pipeline's collectives are not counted yet (each stage's and the point-to-point sends "
-                       "between stages); its bubble and memory are")
-        return report
     if getattr(program.model, "runs_on", None):
         report.note = f"the model runs on {', '.join(program.model.runs_on)} only, not the sharded executor: its " \
                       f"collectives are XLA's (GSPMD)"
         return report
-    traced, report.flops, report.written = get_backend("jax-single").trace_step(program)
-    keep = lambda log, backward: [r for r in log.entries if r.kind is not Kind.LOCAL_SLICE and r.backward == backward]
-    report.records = {"forward": keep(traced, False), "backward": keep(traced, True),
-                      "optimizer": keep(optimizer_moves(program, CollectiveLog()), False)}
+    m = program.microbatches
+    tracer = get_backend("jax-single")
+    if program.pipeline is not None:
+        report.bubble = simulate_schedule(program.pipeline.schedule).bubble
+        forward, backward = _pipeline_records(program, tracer)
+        report.note = ("the loss's mean over pp (one float64 all-reduce, as the clip norm's) is not counted; a "
+                       "pipeline's time is the search's (parlay plan --devices), not predicted here")
+    else:
+        traced, flops, written = tracer.trace_step(program)
+        report.flops, report.written = m * flops, Written(m * written.ops, m * written.kernels)
+        forward, backward = _repeated(traced.entries, m)
+    report.records = {"forward": forward, "backward": backward,
+                      "optimizer": _sent(optimizer_moves(program, CollectiveLog()).entries)}
     return report
+
+
+def _sent(records) -> list:
+    return [r for r in records if r.kind is not Kind.LOCAL_SLICE]
+
+
+def _repeated(records, m: int) -> tuple[list, list]:
+    """(forward, backward) of ``m`` microbatches of one microbatch's ``records``: the parameters'
+    gradient sums once."""
+    each = [r for r in _sent(records) if not r.param]
+    once = [r for r in _sent(records) if r.param]
+    return [r for r in each if not r.backward] * m, [r for r in each if r.backward] * m + once
+
+
+def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list, list]:
+    """(forward, backward) records of pp rank ``pp_rank``'s stages in one step, sends included."""
+    from collections import Counter
+
+    from .core.log import Source
+    from .core.schedule import Op
+
+    pipe, m = program.pipeline, program.microbatches
+    sc, p, lay = pipe.schedule, program.micro, program.layouts
+    shape, dims = p.model.residual(p.batch)
+    x_bytes = math.prod(p.activation(dims, shape).local_shape(tuple(shape))) * p.precision.compute_itemsize
+    forward, backward = [], []
+    for stage in sc.stages_of(pp_rank):
+        runs = Counter(a.op for a in sc.actions[pp_rank] if a.stage == stage)  # m F, and m B or m (I, W)
+        whole = tracer.trace_stage(program, stage).entries
+        fwd = _repeated([r for r in whole if not r.backward], runs[Op.F])[0]
+        bwd = []
+        for op in (Op.B, Op.I, Op.W):
+            if runs[op]:
+                entries = whole if op is Op.B else tracer.trace_stage(program, stage, op.value).entries
+                bwd += _repeated([r for r in entries if r.backward], runs[op])[1]
+        where = f"pp stage {stage}"
+        if stage < pipe.stages - 1 and sc.rank_of(stage + 1) != pp_rank:  # its output, to the next stage's rank
+            fwd += [CollectiveRecord(Kind.PERMUTE, (pipe.axis,), x_bytes, False, Source.P2P, p.precision.compute,
+                                     where)] * m
+        if stage > 0 and sc.rank_of(stage - 1) != pp_rank:  # its input's gradient, back to the previous one
+            bwd += [CollectiveRecord(Kind.PERMUTE, (pipe.axis,), x_bytes, True, Source.P2P, p.precision.compute,
+                                     where)] * m
+        forward, backward = forward + fwd, backward + bwd
+    for k in pipe.shared_params:  # every pp rank joins the sum (those without the table add zeros)
+        layout = lay[Role.GRADS][k]
+        backward.append(CollectiveRecord(Kind.ALL_REDUCE, (pipe.axis,),
+                                         math.prod(layout.local_shape(program.shapes[k])) * 4, True, Source.OP,
+                                         "float32", layer_of(k), k))
+    return forward, backward
 
 
 def print_plan(report: PlanReport, console, title: str) -> None:

@@ -13,6 +13,7 @@ __all__ = ["Source", "CollectiveRecord", "CollectiveLog", "layer_of"]
 class Source(enum.Enum):
     PLAN = "plan"  # a step of a redistribution plan
     OP = "op"  # an op's own reduction (norm statistics, the loss), vary's sum, a gradient bucket
+    P2P = "p2p"  # a pipeline stage's output or input gradient, sent to the neighbouring pp rank
 
 
 def layer_of(param: str) -> str:

@@ -24,14 +24,15 @@ NORM_BYTES = 8  # the squared gradient norm's partial sum, float64, all-reduced 
 def optimizer_moves(program: Program, log: CollectiveLog | None = None, rank: int = 0) -> CollectiveLog:
     """The optimizer step's plan steps on ``rank`` (float32 masters and gradients), each recorded
     under its parameter's layer (``layer_of``), forward, source plan: what torch's session logs
-    in ``step`` after the backward. The norm's all-reduce is not among them (torch does not log it:
-    ``NORM_BYTES``)."""
-    if program.pipeline is not None:
-        raise ValueError(f"optimizer_moves: {program.strategy.name!r} runs a pipeline (each pp rank steps its own "
-                         f"stages' parameters); count a program without pp")
+    in ``step`` after the backward; under a pipeline, those of the parameters ``rank``'s pp rank
+    holds. The norm's all-reduce is not among them (torch does not log it: ``NORM_BYTES``)."""
     log = CollectiveLog() if log is None else log
-    lay = program.layouts
+    lay, pipe = program.layouts, program.pipeline
+    # under a pipeline each pp rank steps the parameters its stages use
+    mine = program.shapes if pipe is None else pipe.params_of_rank(program.mesh.coord(rank, pipe.axis))
     for name, shape in program.shapes.items():
+        if name not in mine:
+            continue
         own, opt = lay[Role.PARAMS][name], lay[Role.OPTIMIZER][name]
         if opt == own and not program.offload:
             continue  # AdamW steps the parameter itself

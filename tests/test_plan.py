@@ -47,7 +47,8 @@ def test_a_pipeline_reports_its_bubble_and_says_what_it_does_not_count(capsys):
     assert main(["plan", "--strategy", "pp", "--mesh", "pp=2", "--microbatches", "4"]) == 0
     out = capsys.readouterr().out
     assert "bubble 20.0% of a step" in out  # (p-1)/(m+p-1) = 1/5 for 1F1B
-    assert "a pipeline's collectives are not counted yet" in out
+    assert "the loss's mean over pp" in out  # the one collective it leaves out, said so
+    assert "permute" in out  # the stage's output to the next pp rank
 
 
 def test_bad_plan_flags(capsys):

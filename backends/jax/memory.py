@@ -34,7 +34,8 @@ from .comm import custom_op
 from .ops import KERNEL, JaxLocal
 from .remat import jax_checkpoint
 
-__all__ = ["ShapeComm", "TrafficComm", "Scoped", "activation_bytes", "collective_traffic", "trace_step"]
+__all__ = ["ShapeComm", "TrafficComm", "Scoped", "activation_bytes", "collective_traffic", "trace_step",
+           "trace_stage"]
 
 
 class ShapeComm:
@@ -233,6 +234,51 @@ def trace_step(program: Program) -> tuple[CollectiveLog, int, Written]:
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, inputs)
     flops, written, fused = _work(jaxpr.jaxpr)
     return log, flops, Written(written, fused)
+
+
+def trace_stage(program: Program, stage: int, part: str = "B") -> CollectiveLog:
+    """What rank 0 sends in one microbatch's forward and backward of pipeline ``stage``, traced on
+    shapes as the torch backend runs a stage (backends/torch/pipeline.py ``TorchStages``): the
+    embedding on the first stage, the stage's layers on a fresh executor, the head and the loss
+    on the last, the output moved to the residual layout on the others; the backward (``part``
+    B) to the stage's parameters and (after the first) to its input, or to the input alone (I) or
+    the parameters alone (W), as a zero-bubble schedule splits it: each pass runs the backward's
+    collectives on its own paths, so those on both run twice. The point-to-point sends are not in
+    it (planning.py adds them from the schedule)."""
+    pipe = program.pipeline
+    if pipe is None:
+        raise ValueError(f"trace_stage: {program.strategy.name!r} runs no pipeline; use trace_step")
+    first = stage == 0
+    wrt = {"B": (0,) if first else (0, 2), "I": () if first else (2,), "W": (0,)}[part]
+    p = program.micro
+    names = pipe.params_of_stage[stage]
+    decls = {d.name: d for d in p.decls if d.name in names}
+    params = _blocks(p, Role.PARAMS, decls, lambda d: jnp.float32)
+    inputs = _blocks(p, Role.ACTIVATIONS, dict(p.inputs), lambda d: d.dtype.numpy)
+    shape, dims = p.model.residual(p.batch)
+    x_layout = p.activation(dims, shape)
+    dtype = jnp.dtype(p.precision.compute)
+    x = jax.ShapeDtypeStruct(x_layout.local_shape(tuple(shape)), dtype)
+    last = stage == pipe.stages - 1
+    log = CollectiveLog()
+    if not wrt:  # the first stage's input-only pass: it has no input (torch runs nothing)
+        return log
+
+    def run(params, batch, x, dy):
+        lay = p.layouts[Role.PARAMS]
+        sp = {k: Sharded(v, lay[k], decls[k].shape, frozenset(lay[k].spec.axes), k) for k, v in params.items()}
+        comm = TrafficComm(p.mesh, log)
+        ops = make_executor(p, comm, sp, coalesce=False)
+        scoped = Scoped(ops, comm)
+        h = p.model.embed(scoped, sp, input_values(p, batch)) if first else \
+            Sharded(x, x_layout, tuple(shape), frozenset(x_layout.spec.axes))
+        h = run_layers(p.model, p.remat, scoped, sp, pipe.layers_of_stage[stage], h, jax_checkpoint(p.remat))
+        if last:
+            return scalar_loss(ops, p.model.head(scoped, sp, h, input_values(p, batch)))
+        return jnp.sum(ops.constrain(h, dims).local * dy)  # the backward seeded with the received gradient
+
+    jax.make_jaxpr(jax.grad(run, argnums=wrt))(params, inputs, x, x)
+    return log
 
 
 def _work(jaxpr, inside: bool = False) -> tuple[int, int, int]:

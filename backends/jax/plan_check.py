@@ -103,8 +103,9 @@ def check_plan(report, batch=None) -> PlanCheck:
 
     program: Program = report.program
     if program.pipeline is not None:
-        raise ValueError(f"--check compiles one step without a pipeline; {program.strategy.name!r} runs pp (its "
-                         f"stages' collectives are not in the plan's records yet): check the layout without pp")
+        raise ValueError(f"--check compiles one step without a pipeline; {program.strategy.name!r} runs pp (the "
+                         f"compiled tick loop's collectives sit inside a loop whose trips the HLO count does not "
+                         f"give): check the layout without pp; its plan is checked against torch's log instead")
     memory = memory_report(program, "jax")  # what JAX keeps (torch's autograd keeps other values)
     if memory.activations is None:
         raise ValueError(f"--check needs the plan's memory prediction: {memory.detail}")

@@ -118,6 +118,14 @@ class JaxBackend:
 
         return trace_step(program)
 
+    def trace_stage(self, program: Program, stage: int, part: str = "B") -> CollectiveLog:
+        """What rank 0 sends in one microbatch of pipeline ``stage``, forward and backward (or
+        a zero-bubble schedule's input or weight part of it), traced on shapes
+        (backends/jax/memory.py)."""
+        from .memory import trace_stage
+
+        return trace_stage(program, stage, part)
+
     def check_plan(self, report):
         """``parlay plan --check``: the plan beside the compiled step (backends/jax/plan_check.py)."""
         from .plan_check import check_plan

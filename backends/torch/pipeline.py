@@ -10,8 +10,10 @@ import numpy as np
 import torch
 
 from ...core.executor import Sharded
+from ...core.log import Source
 from ...core.remat import run_layers
 from ...core.schedule import Op
+from ...core.steps import Kind
 from ...core.session import make_executor, scalar_loss, sharded_inputs
 from ...core.strategies import Role
 from .comm import TorchComm
@@ -116,6 +118,8 @@ class P2P:
         ops, bufs = [], {}
         for key, peer, value in sends:
             ops.append(dist.P2POp(dist.isend, value, self._peer(peer), tag=self._tag(key)))
+            self.s.log.record(Kind.PERMUTE, (self.axis,), value.numel() * value.element_size(), key[0] == "B",
+                              Source.P2P, value.dtype, f"pp stage {key[1] + (1 if key[0] == 'B' else -1)}")
         for key, peer in recvs:
             # NaN until the value arrives: a value read before then poisons the loss, never hides
             bufs[key] = torch.full(self.local_shape, float("nan"), device=self.s.device,

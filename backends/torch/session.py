@@ -21,7 +21,7 @@ import torch
 
 from ...core import Layout, plan_redistribute
 from ...core.executor import Hooks
-from ...core.log import CollectiveLog
+from ...core.log import CollectiveLog, Source, layer_of
 from ...core.ops import DenseOps, DropoutKey
 from ...core.optim import OptimizerConfig
 from ...core.pieces import owned_blocks, pieces_of, rank_file
@@ -30,6 +30,7 @@ from ...core.precision import LossScale
 from ...core.program import Program
 from ...core.remat import remat_loss
 from ...core.session import check_batch, make_executor, microbatches, scalar_loss, sharded_inputs, sharded_params
+from ...core.steps import Kind
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
 from .collectives import run_plan
@@ -488,6 +489,8 @@ class TorchSession:
                 g = torch.zeros(layout.local_shape(self.program.shapes[k]), device=self.device)
             mark_progress()
             dist.all_reduce(g, group=group)
+            self.log.record(Kind.ALL_REDUCE, (pipe.axis,), g.numel() * g.element_size(), True, Source.OP, g.dtype,
+                            layer_of(k), k)
             if k in self.local:
                 if into_sharded:
                     sharded[k], self.local[k].grad = g, None

@@ -35,3 +35,27 @@ def test_traced_traffic_equals_what_torch_sends():
             assert any(backward and source == "plan" for _, _, backward, source in torch_counts), strategy
         assert any(source == "op" for *_, source in torch_counts), strategy
         assert _static(strategy, axes) == torch_counts, strategy
+
+
+# Microbatches (8 ranks): each one's forward and backward collectives, the gradient sums once. Under
+# a pipeline: rank 0's stages' collectives each microbatch (a zero-bubble schedule's input and
+# weight passes each with their own), its sends to the next pp rank and back, the tied table's sum
+# over pp, its own parameters' optimizer moves.
+PIPELINES = [("tiny", 2, "zero1+tp", [("dp", 4), ("tp", 2)], None, 2),
+             ("tiny", 4, "pp+dp+tp", [("pp", 2), ("dp", 2), ("tp", 2)], "1f1b", 4),
+             ("tiny", 8, "pp+fsdp", [("pp", 4), ("dp", 2)], "interleaved", 4),
+             ("tiny", 4, "pp+tp", [("pp", 2), ("tp", 4)], "zbv", 2),
+             ("tiny-gpt2", 2, "pp+dp", [("pp", 2), ("dp", 4)], "1f1b", 2)]
+
+
+def test_the_plan_of_microbatches_and_pipelines_equals_what_torch_sends():
+    seen = spawn(workers.pipeline_traffic, 8, PIPELINES, timeout_s=600)[0]
+    for preset, layers, strategy, axes, schedule, m in PIPELINES:
+        model = GPT(PRESETS[preset].with_(layers=layers))
+        report = plan_report(make_program(model, strategy, Mesh(dict(axes)), batch=8, microbatches=m,
+                                          schedule=schedule))
+        torch_counts = seen[preset, layers, strategy, schedule]
+        sends = any(kind == "permute" and source == "p2p" for kind, _, _, source in torch_counts)
+        assert sends == (schedule is not None), strategy
+        assert workers.traffic_counts([r for phase in PHASES for r in report.records[phase]]) == torch_counts, \
+            (strategy, schedule)

@@ -186,6 +186,20 @@ def traffic_counts(entries) -> dict:
     return seen
 
 
+def pipeline_traffic(rank, cases):
+    """For each (preset, layers, strategy, mesh axes, schedule, microbatches): what this rank sent
+    in one training step of its microbatches (a pipeline's or not), with a gradient bucket per parameter (each sum its own
+    record, sent once the step's last microbatch is back, as by default)."""
+    out = {}
+    for preset, layers, strategy, axes, schedule, m in cases:
+        model = GPT(PRESETS[preset].with_(layers=layers))
+        program = make_program(model, strategy, Mesh(dict(axes)), batch=8, microbatches=m, schedule=schedule)
+        session = TorchSession(program, model.init(0), coalesce=False, bucket_bytes=1)
+        session.step(batch(model.config))
+        out[preset, layers, strategy, schedule] = traffic_counts(session.log.entries)
+    return out
+
+
 def step_traffic(rank, preset, cases):
     """For each (strategy, mesh axes): what this rank sent in one training step (forward,
     backward and the optimizer step's moves; no gradient buckets, so each parameter's sum is its
