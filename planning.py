@@ -156,11 +156,13 @@ def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list,
         runs = Counter(a.op for a in sc.actions[pp_rank] if a.stage == stage)  # m F, and m B or m (I, W)
         whole = tracer.trace_stage(program, stage).entries
         fwd = _repeated([r for r in whole if not r.backward], runs[Op.F])[0]
-        bwd = []
+        bwd, summed = [], False
         for op in (Op.B, Op.I, Op.W):
             if runs[op]:
                 entries = whole if op is Op.B else tracer.trace_stage(program, stage, op.value).entries
-                bwd += _repeated([r for r in entries if r.backward], runs[op])[1]
+                each = [r for r in entries if r.backward and not (summed and r.param)]  # the sums: once a stage
+                bwd += _repeated(each, runs[op])[1]
+                summed = summed or any(r.param for r in each)
         where = f"pp stage {stage}"
         if stage < pipe.stages - 1 and sc.rank_of(stage + 1) != pp_rank:  # its output, to the next stage's rank
             fwd += [CollectiveRecord(Kind.PERMUTE, (pipe.axis,), x_bytes, False, Source.P2P, p.precision.compute,
@@ -170,7 +172,7 @@ def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list,
                                      where)] * m
         forward, backward = forward + fwd, backward + bwd
     for k in pipe.shared_params:  # every pp rank joins the sum (those without the table add zeros)
-        layout = lay[Role.GRADS][k]
+        layout = lay[Role.GRADS][k]  # torch's, with its gradient buckets (without them: PARAMS)
         backward.append(CollectiveRecord(Kind.ALL_REDUCE, (pipe.axis,),
                                          math.prod(layout.local_shape(program.shapes[k])) * 4, True, Source.OP,
                                          "float32", layer_of(k), k))

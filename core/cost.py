@@ -64,7 +64,8 @@ class Profile:
 # maximum achievable matmul FLOP/s over the peak, measured with bf16 inputs by Stas Bekman's
 # mamf-finder (ml-engineering, "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 267.9
 # of 312 TF (0.859, CUDA 12.1), H100 SXM 792.1 of 989 (0.801, CUDA 12.1); the H200 has the H100's
-# compute. It is a best shape's ceiling: a model's own shapes reach it or less.
+# compute. It is a best shape's ceiling: a model's own shapes reach it or less. fp32 products
+# are given the same share of the fp32 peak, unmeasured.
 PROFILES = {
     "h100": Profile(
         "h100", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 3.35e12, 450e9, 3e-6, 50e9, 10e-6, 8,

@@ -45,7 +45,7 @@ PIPELINES = [("tiny", 2, "zero1+tp", [("dp", 4), ("tp", 2)], None, 2),
              ("tiny", 4, "pp+dp+tp", [("pp", 2), ("dp", 2), ("tp", 2)], "1f1b", 4),
              ("tiny", 8, "pp+fsdp", [("pp", 4), ("dp", 2)], "interleaved", 4),
              ("tiny", 4, "pp+tp", [("pp", 2), ("tp", 4)], "zbv", 2),
-             ("tiny-gpt2", 2, "pp+dp", [("pp", 2), ("dp", 4)], "1f1b", 2)]
+             ("tiny-gpt2-hf", 2, "pp+dp", [("pp", 2), ("dp", 4)], "1f1b", 2)]  # a tied table
 
 
 def test_the_plan_of_microbatches_and_pipelines_equals_what_torch_sends():
@@ -57,5 +57,7 @@ def test_the_plan_of_microbatches_and_pipelines_equals_what_torch_sends():
         torch_counts = seen[preset, layers, strategy, schedule]
         sends = any(kind == "permute" and source == "p2p" for kind, _, _, source in torch_counts)
         assert sends == (schedule is not None), strategy
+        if model.config.tie_embeddings:  # its gradient summed over pp
+            assert ("all-reduce", ("pp",), True, "op") in torch_counts, torch_counts
         assert workers.traffic_counts([r for phase in PHASES for r in report.records[phase]]) == torch_counts, \
             (strategy, schedule)
