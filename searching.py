@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from .core.cost import PROFILES, Profile, comm_time
 from .core.log import CollectiveRecord
 from .core.mesh import Mesh
+from .core.precision import parse_precision
 from .core.steps import Kind
 
 __all__ = ["Candidate", "Estimate", "Search", "search", "print_search", "pipeline_closed_form"]
@@ -50,6 +51,9 @@ TENSOR_ND = {"tp2d": ((("row", 2), ("col", 2)), ("row",)),
              "tp2.5d": ((("row", 2), ("col", 2), ("dep", 2)), ("row", "dep")),
              "tp3d": ((("x", 2), ("y", 2), ("z", 2)), ("y", "z"))}
 SEQUENCE = ("ulysses", "ring")
+# the policies searched (core/precision.py): fp16 is left out (bf16 computes as fast with no loss
+# scale); bf16-sum16 is Megatron-LM's, its activation sums in bfloat16
+PRECISIONS_SEARCHED = ("fp32", "bf16", "bf16-sum16")
 GIB = 2 ** 30
 
 
@@ -67,7 +71,7 @@ class Candidate:
     schedule: str | None  # 1f1b, interleaved; None without a pipeline
     virtual: int  # stages a pp rank runs
     remat: str  # none, block
-    precision: str  # fp32, bf16
+    precision: str  # fp32, bf16, bf16-sum16 (core/precision.py)
 
     @property
     def tensor_axes(self) -> tuple[tuple[str, int], ...]:
@@ -393,8 +397,8 @@ class Search:
         fwd_again = [r for r in b_micro if not r.backward] if remat else []
         i_b, o_b = comm_time(mesh, b_micro + fwd_again, prof)
         i_r, o_r = comm_time(mesh, r_micro, prof)
-        itemsize = 2 if c.precision in ("bf16", "fp16") else 4
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[c.precision]
+        policy = parse_precision(c.precision)
+        itemsize, dtype = policy.compute_itemsize, policy.compute
         sends = []
         if p > 1:  # a stage's output forward and its gradient back, per chunk
             shard = c.seq_size * (c.tp_size if c.tensor == "tp_sp" else 1)
@@ -475,13 +479,13 @@ def search(model, devices: int, batch: int, profile: Profile | str = "h100", *, 
     """Every candidate layout of ``model`` on ``devices`` devices with a global ``batch``, best
     first (those that fit), with the reason each lost; the candidates whose layouts do not divide
     the model are returned as (candidate, reason). Structures are searched with tp_sp and the
-    profile's fastest precision (or ``precision``); the ``refine`` best are then tried with tp,
-    2D/2.5D/3D tensor parallelism and the other precision too. The first pass's units are traced in
+    profile's fastest precision, float32 sums (or ``precision``); the ``refine`` best are then
+    tried with tp, 2D/2.5D/3D tensor parallelism and each of ``PRECISIONS_SEARCHED`` too. The first pass's units are traced in
     ``workers`` processes (spawned: a script calling this with ``workers`` > 1 needs the
     ``if __name__ == "__main__":`` guard; ``parlay plan`` uses the cores, at most 4)."""
     profile = PROFILES[profile] if isinstance(profile, str) else profile
     s = Search(model, batch, profile, memory)
-    fast = max(("fp32", "bf16"), key=lambda q: profile.flops["float32" if q == "fp32" else "bfloat16"]) \
+    fast = max(("fp32", "bf16"), key=lambda q: profile.flops[parse_precision(q).compute]) \
         if precision is None else precision
     estimates, invalid, seen = [], [], set()
 
@@ -504,13 +508,12 @@ def search(model, devices: int, batch: int, profile: Profile | str = "h100", *, 
     s.prefetch(first, workers)
     run(first)
     best = sorted((e for e in estimates if e.fits), key=lambda e: e.time)[:refine]
-    others = [q for q in ("fp32", "bf16") if q != fast] if precision is None else []
+    precisions = PRECISIONS_SEARCHED if precision is None else (precision,)
     variants = []
     for e in best:
         c = e.candidate
-        variants += [replace(c, precision=q) for q in others]
-        if c.tensor == "tp_sp":
-            variants.append(replace(c, tensor="tp"))
+        for tensor in (c.tensor, "tp") if c.tensor == "tp_sp" else (c.tensor,):
+            variants += [replace(c, tensor=tensor, precision=q) for q in precisions]
     # the 2D/2.5D/3D slots at the best candidates' pipeline and data choices
     for e in best[:2]:
         c = e.candidate

@@ -156,9 +156,10 @@ class ShardedOps:
     def __init__(self, comm: Comm, *, activation: Callable[[LogicalDims, tuple], Layout],
                  compute: Callable[[str], Layout], groups: Mapping[str, str] | None = None,
                  hooks: Hooks | None = None, training: bool = True, rng: DropoutKey | None = None,
-                 dtype: str | None = None, order: SeqOrder | None = None):
+                 dtype: str | None = None, order: SeqOrder | None = None, narrow_sums: bool = False):
         self.comm, self.mesh, self.local = comm, comm.mesh, comm.local
         self.dtype, self.order = dtype, order
+        self.narrow_sums = narrow_sums  # an activation's collectives sum in the compute dtype (core/precision.py)
         self._perm = None  # the order's permutation as this backend's constant, made at first use
         self._activation, self._compute = activation, compute
         self.groups = groups
@@ -193,6 +194,11 @@ class ShardedOps:
     def _wide(self, local):
         return self.local.astype(local, "float32") if self._narrow(local) else local
 
+    def _widens(self, local) -> bool:
+        """Whether ``local`` widens to float32 for a collective that sums (not where the policy
+        sums activations in the compute dtype: ``narrow_sums``)."""
+        return self._narrow(local) and not self.narrow_sums
+
     def _needs(self, axes, have) -> tuple[str, ...]:
         return tuple(a for a in self.mesh.axis_names if a in axes and a not in have and self.mesh.axis_size(a) > 1)
 
@@ -203,8 +209,9 @@ class ShardedOps:
         if not missing:
             return dataclasses.replace(x, varying=x.varying | trivial) if trivial else x
         param = (x.name, x.layout) if x.name is not None else None
-        local = self.comm.vary(self._wide(x.local), missing, param=param)  # its backward sums: in float32
-        local = self.local.astype(local, self.dtype) if self._narrow(x.local) else local
+        wide = self._widens(x.local)  # its backward sums: in float32 (or, narrow_sums, the compute dtype)
+        local = self.comm.vary(self.local.astype(x.local, "float32") if wide else x.local, missing, param=param)
+        local = self.local.astype(local, self.dtype) if wide else local
         return Sharded(local, x.layout, x.shape, x.varying | set(missing) | trivial)
 
     def _align(self, *xs: Sharded) -> list[Sharded]:
@@ -224,7 +231,7 @@ class ShardedOps:
         hooks = self.hooks
         if hooks.plans is not None:
             hooks.plans.append(plan)
-        narrow = self._narrow(x.local) and _sums(plan)
+        narrow = self._widens(x.local) and _sums(plan)
         local, varying = (self._wide(x.local) if narrow else x.local), set(x.varying)
         fault = hooks.fault
         for i, step in enumerate(plan.steps):
@@ -271,7 +278,7 @@ class ShardedOps:
         if x.layout == target:
             return x
         plan = plan_redistribute(x.layout, target, x.shape, itemsize=_itemsize(x.local))
-        if self._narrow(x.local) and _sums(plan):  # it runs in float32: its bytes are float32's
+        if self._widens(x.local) and _sums(plan):  # it runs in float32: its bytes are float32's
             plan = plan_redistribute(x.layout, target, x.shape, itemsize=4)
         return self._run(plan, x)
 

@@ -16,6 +16,13 @@ A policy has three parts:
   gradient sums are float32 sums of float32 values; an activation in the compute dtype is
   widened for the collective and rounded back once after it.
 
+``bf16-sum16`` is Megatron-LM's policy for the sums of activations: bf16 compute, and every
+collective that sums an activation (a tensor-parallel all-reduce or reduce-scatter, the backward
+of an activation's all-gather or ``vary``) sends bfloat16, half float32's bytes, rounded at each
+sum. A parameter's collectives and its gradient's sums stay float32 (they run before its cast),
+as do the norms' and softmax's statistics and the loss. Opt-in: ``parlay plan --devices``
+searches it beside ``bf16`` and says which it picked.
+
 ``fp16`` adds dynamic loss scaling (``LossScale``): the loss is multiplied by the scale before the
 backward and the gradients divided by it before clipping; a step whose gradients hold an inf or a
 NaN is skipped (no update, the count does not advance) and the scale halves; after
@@ -38,13 +45,15 @@ __all__ = ["Precision", "LossScale", "PRECISIONS", "parse_precision", "FP32"]
 
 @dataclass(frozen=True)
 class Precision:
-    """``compute``: numpy-style dtype name the ops compute in; ``reduce``: the dtype of every sum
-    (norms, softmax, the loss, summing collectives); ``loss_scale``: fp16's initial dynamic scale
-    (None: no scaling)."""
+    """``compute``: numpy-style dtype name the ops compute in; ``reduce``: the dtype of the norms',
+    softmax's and the loss's statistics; ``sums``: the dtype an activation's summing collectives
+    send (float32, or the compute dtype: ``bf16-sum16``); ``loss_scale``: fp16's initial dynamic
+    scale (None: no scaling)."""
 
     name: str
     compute: str
     reduce: str = "float32"
+    sums: str = "float32"
     loss_scale: float | None = None
     growth_interval: int = 2000  # finite steps before the scale doubles (torch's GradScaler default)
 
@@ -58,6 +67,11 @@ class Precision:
         return self.compute if self.mixed else None
 
     @property
+    def narrow_sums(self) -> bool:
+        """Whether an activation's collectives sum in the compute dtype (not widened to float32)."""
+        return self.mixed and self.sums == self.compute
+
+    @property
     def compute_itemsize(self) -> int:
         return 4 if self.compute == "float32" else 2
 
@@ -65,6 +79,9 @@ class Precision:
         if not self.mixed:
             return "fp32"
         scale = f", dynamic loss scale from {self.loss_scale:g}" if self.loss_scale else ""
+        if self.narrow_sums:
+            return (f"{self.name} (compute {self.compute}, activation sums {self.sums}, gradient sums and masters "
+                    f"float32{scale})")
         return f"{self.name} (compute {self.compute}, sums and masters float32{scale})"
 
 
@@ -72,6 +89,7 @@ FP32 = Precision("fp32", "float32")
 PRECISIONS = {
     "fp32": FP32,
     "bf16": Precision("bf16", "bfloat16"),
+    "bf16-sum16": Precision("bf16-sum16", "bfloat16", sums="bfloat16"),
     "fp16": Precision("fp16", "float16", loss_scale=2.0 ** 15),
 }
 

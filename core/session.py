@@ -174,7 +174,7 @@ def make_executor(program: Program, comm, params: Mapping[str, Sharded], *, coal
     return ShardedOps(comm, activation=program.activation, compute=program.compute,
                       groups=group_members(params, program.dims) if coalesce else None, hooks=hooks,
                       training=training, rng=DropoutKey(seed, step, rows=rows), dtype=program.precision.dtype,
-                      order=program.seq_order)
+                      order=program.seq_order, narrow_sums=program.precision.narrow_sums)
 
 
 def scalar_loss(ops: ShardedOps, loss: Any) -> Any:

@@ -53,23 +53,27 @@ def test_the_tolerances_follow_the_unit_roundoff():
 # -- bf16 equals its own single device, and stays near float32 ---------------------------------------
 
 CASES = [
-    pytest.param("tiny", "dp+tp", dict(dp=2, tp=2), id="tiny-dp+tp"),
-    pytest.param("examples/vit.py:model", "examples/vit.py:FSDP", dict(dp=4), id="vit-fsdp"),
-    pytest.param("tiny", "tp_sp", dict(tp=4), marks=pytest.mark.exhaustive, id="tiny-tp_sp"),
-    pytest.param("tiny", "zero2+tp", dict(dp=2, tp=2), marks=pytest.mark.exhaustive, id="tiny-zero2+tp"),
-    pytest.param("tiny-gqa", "fsdp+tp", dict(dp=2, tp=2), marks=pytest.mark.exhaustive, id="gqa-fsdp+tp"),
-    pytest.param("tiny", "ulysses", dict(sp=4), marks=pytest.mark.exhaustive, id="tiny-ulysses"),
-    pytest.param("tiny", "tp2d", dict(row=2, col=2), marks=pytest.mark.exhaustive, id="tiny-tp2d"),
-    pytest.param("tiny", "dp@replica+fsdp@shard", dict(replica=2, shard=2), marks=pytest.mark.exhaustive,
+    pytest.param("tiny", "dp+tp", dict(dp=2, tp=2), "bf16", id="tiny-dp+tp"),
+    pytest.param("examples/vit.py:model", "examples/vit.py:FSDP", dict(dp=4), "bf16", id="vit-fsdp"),
+    pytest.param("tiny", "tp_sp", dict(tp=4), "bf16", marks=pytest.mark.exhaustive, id="tiny-tp_sp"),
+    pytest.param("tiny", "zero2+tp", dict(dp=2, tp=2), "bf16", marks=pytest.mark.exhaustive, id="tiny-zero2+tp"),
+    pytest.param("tiny-gqa", "fsdp+tp", dict(dp=2, tp=2), "bf16", marks=pytest.mark.exhaustive, id="gqa-fsdp+tp"),
+    pytest.param("tiny", "ulysses", dict(sp=4), "bf16", marks=pytest.mark.exhaustive, id="tiny-ulysses"),
+    pytest.param("tiny", "tp2d", dict(row=2, col=2), "bf16", marks=pytest.mark.exhaustive, id="tiny-tp2d"),
+    pytest.param("tiny", "dp@replica+fsdp@shard", dict(replica=2, shard=2), "bf16", marks=pytest.mark.exhaustive,
                  id="tiny-hsdp"),
+    # Megatron-LM's policy: the activations' sums in bfloat16, each rounded (core/precision.py)
+    pytest.param("tiny", "tp_sp", dict(tp=4), "bf16-sum16", id="tiny-tp_sp-sum16"),
+    pytest.param("tiny", "dp+tp", dict(dp=2, tp=2), "bf16-sum16", marks=pytest.mark.exhaustive,
+                 id="tiny-dp+tp-sum16"),
 ]
 
 
-@pytest.mark.parametrize("model,strategy,axes", CASES)
-def test_bf16_equals_the_single_device_bf16_run_over_20_steps(model, strategy, axes):
+@pytest.mark.parametrize("model,strategy,axes,precision", CASES)
+def test_bf16_equals_the_single_device_bf16_run_over_20_steps(model, strategy, axes, precision):
     """torch, JAX explicit and GSPMD in bf16, each held to its own framework on one device in
     bf16 (step-1 gradients, 20 losses, the parameters after), and the bf16 curve near fp32's."""
-    program = program_from(model, strategy, Mesh(axes), batch=8, precision="bf16")
+    program = program_from(model, strategy, Mesh(axes), batch=8, precision=precision)
     ref, runs = run_compare(program, steps=20, backends=("jax", "jax-gspmd", "torch"), bisect=False)
     for run in runs:
         assert run.reference == ("torch-single" if run.name == "torch" else "jax-single")
@@ -118,22 +122,23 @@ def test_bf16_pipelines_equal_one_device(backend, schedule):
     assert run.agree, (run.loss_diff, run.grad_diff, run.param_diff)
 
 
-# -- every sum is float32 ------------------------------------------------------------------------------
+# -- every sum is float32 (bf16-sum16: every parameter's) -------------------------------------------------
 
 def _torch_logs(rank, cases):
     from parlay.backends.torch.session import TorchSession
 
     out = []
-    for model, strategy, axes in cases:
-        program = program_from(model, strategy, Mesh(axes), batch=8, precision="bf16")
+    for model, strategy, axes, precision in cases:
+        program = program_from(model, strategy, Mesh(axes), batch=8, precision=precision)
         session = TorchSession(program, program.init(0))
         session.step(compare_batches(program, 1, 0)[0])
-        out.append([(e.kind, e.dtype, e.backward, e.source, e.nbytes) for e in session.log.entries])
+        out.append([(e.kind, e.dtype, e.backward, e.source, e.nbytes, e.axes) for e in session.log.entries])
     return out if rank == 0 else None
 
 
-LOGGED = [("tiny", "dp+tp", dict(dp=2, tp=2)), ("tiny", "fsdp", dict(dp=4)), ("tiny", "tp_sp", dict(tp=4)),
-          ("tiny", "zero2+ulysses", dict(dp=2, sp=2))]
+LOGGED = [("tiny", "dp+tp", dict(dp=2, tp=2), "bf16"), ("tiny", "fsdp", dict(dp=4), "bf16"),
+          ("tiny", "tp_sp", dict(tp=4), "bf16"), ("tiny", "zero2+ulysses", dict(dp=2, sp=2), "bf16")]
+LOGGED16 = [("tiny", "dp+tp", dict(dp=2, tp=2), "bf16-sum16"), ("tiny", "tp_sp", dict(tp=4), "bf16-sum16")]
 
 
 def test_every_summing_collective_of_a_bf16_torch_step_sends_float32():
@@ -141,8 +146,9 @@ def test_every_summing_collective_of_a_bf16_torch_step_sends_float32():
     (and every all-gather, whose transpose is a reduce-scatter) sent float32, forward and backward,
     plans and the executor's own sums alike; Ulysses' all-to-alls (which sum nothing) sent bf16,
     so the ops did compute in bf16."""
-    logs = spawn(_torch_logs, 4, LOGGED, timeout_s=600)[0]
-    for (model, strategy, _), log in zip(LOGGED, logs):
+    logs = spawn(_torch_logs, 4, LOGGED + LOGGED16, timeout_s=600)[0]
+    logs, logs16 = logs[:len(LOGGED)], logs[len(LOGGED):]
+    for (model, strategy, *_), log in zip(LOGGED, logs):
         sums = [e for e in log if e[0] in SUMS and e[4] > 0]
         assert sums, strategy
         assert {e[1] for e in sums} == {"float32"}, (strategy, sorted({(e[0].value, e[1]) for e in sums}))
@@ -150,6 +156,17 @@ def test_every_summing_collective_of_a_bf16_torch_step_sends_float32():
     ulysses = logs[-1]
     assert {e[1] for e in ulysses if e[0] is Kind.ALL_TO_ALL} == {"bfloat16"}
     assert any(e[3] is Source.OP for e in logs[0] if e[0] in SUMS)  # bucketed data-parallel sums counted too
+    # bf16-sum16: the forward's plans (an activation's sums) send bfloat16, the ops' own forward sums
+    # (the vocabulary's softmax statistics, the loss) float32; the backward has both, the parameters'
+    # gradient sums (dp's buckets; the norms' weights over tp) float32
+    for (model, strategy, *_), log, wide in zip(LOGGED16, logs16, (logs[0], logs[2])):
+        sums = [e for e in log if e[0] in SUMS and e[4] > 0]
+        assert {e[1] for e in sums if not e[2] and e[3] is Source.PLAN} == {"bfloat16"}, strategy
+        assert {e[1] for e in sums if not e[2] and e[3] is Source.OP} == {"float32"}, strategy
+        assert {e[1] for e in sums if e[2]} == {"bfloat16", "float32"}, strategy
+        assert [(e[0], e[2], e[3]) for e in log] == [(e[0], e[2], e[3]) for e in wide], strategy  # same collectives
+        assert sum(e[4] for e in sums) < 0.75 * sum(e[4] for e in wide if e[0] in SUMS), strategy
+    assert {e[1] for e in logs16[0] if e[0] in SUMS and "dp" in e[5]} == {"float32"}  # dp's buckets, the loss
 
 
 def _sum_types(stablehlo: str) -> list[str]:
@@ -184,6 +201,32 @@ def test_the_lowered_bf16_step_on_jax_sums_in_float32():
     finally:
         executor.ShardedOps._wide = wide
     assert "bf16" in _sum_types(text)
+
+
+def test_the_lowered_bf16_sum16_step_on_jax_sums_activations_in_bf16():
+    """bf16-sum16 on JAX explicit (fsdp+tp, dp=2 x tp=2), lowered: every sum over dp (fsdp's
+    gradient reduce-scatters, the loss) in float32; over tp, the activations' all-reduces in
+    bf16 and the rest (the parameters' gradients, the vocabulary's softmax statistics) float32,
+    the same count of sums as bf16's."""
+    def lowered(session, batch):
+        text = session._step.lower(session.state, *session._step_args(batch)).as_text()
+        return text, [(e.kind, e.dtype, e.axes) for e in session.log.entries]
+
+    def sums(text):  # (replica groups, element type) of each all-reduce and reduce-scatter
+        return re.findall(r'stablehlo\.(?:all_reduce|reduce_scatter)".*?replica_groups = dense<(.*?)>.*?'
+                          r'\^bb0\(%\w+: tensor<(\w+)>', text, re.S)
+
+    dp, tp = "[[0, 2], [1, 3]]", "[[0, 1], [2, 3]]"  # tp is the mesh's minor axis
+    found = {}
+    for precision in ("bf16", "bf16-sum16"):
+        program = program_from("tiny", "fsdp+tp", Mesh(dp=2, tp=2), batch=8, precision=precision)
+        found[precision] = get_backend("jax").run(program, lowered, compare_batches(program, 1, 0)[0])
+    (wide, _), (narrow, log) = found["bf16"], found["bf16-sum16"]
+    assert len(sums(narrow)) == len(sums(wide)) > 20
+    assert {t for g, t in sums(narrow) if g == dp} == {"f32"}
+    on_tp = [t for g, t in sums(narrow) if g == tp]
+    assert on_tp.count("bf16") > on_tp.count("f32") > 0, on_tp
+    assert {d for k, d, axes in log if k is Kind.ALL_REDUCE and axes == ("tp",)} == {"bfloat16"}
 
 
 # -- fp16: dynamic loss scaling survives an overflow -------------------------------------------------
@@ -256,7 +299,7 @@ def test_what_mixed_precision_refuses_is_one_clear_error():
         get_backend("numpy").run(program, lambda s: None)
     with pytest.raises(ProgramError, match="use --precision bf16"):
         program_from("tiny-deep", "pp+dp", Mesh(pp=2, dp=2), batch=8, microbatches=2, precision="fp16")
-    with pytest.raises(ValueError, match="choose from fp32, bf16, fp16"):
+    with pytest.raises(ValueError, match="choose from fp32, bf16, bf16-sum16, fp16"):
         parse_precision("fp8")
 
 

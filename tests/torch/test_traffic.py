@@ -21,20 +21,39 @@ CASES = [("tp3d", [("x", 2), ("y", 2), ("z", 2)]), ("tp2.5d", [("row", 2), ("col
          ("dp+ring_contiguous", [("dp", 2), ("cp", 4)])]
 
 
-def _static(strategy, axes):
-    report = plan_report(make_program(GPT(PRESETS["tiny"]), strategy, Mesh(dict(axes)), batch=8))
+# Mixed precision: bf16's sums widen to float32 (their bytes are float32's); bf16-sum16 sends an
+# activation's sums in bfloat16 and a parameter's in float32.
+PRECISION_CASES = [("fsdp+tp_sp", [("dp", 2), ("tp", 4)], "bf16"), ("fsdp+tp_sp", [("dp", 2), ("tp", 4)], "bf16-sum16"),
+                   ("dp+tp", [("dp", 2), ("tp", 4)], "bf16-sum16")]
+
+
+def _static(strategy, axes, precision="fp32"):
+    report = plan_report(make_program(GPT(PRESETS["tiny"]), strategy, Mesh(dict(axes)), batch=8, precision=precision))
     return workers.traffic_counts([r for phase in PHASES for r in report.records[phase]])
 
 
+def _bytes(counts, axis):
+    return sum(n for (_, axes, *_), (_, n) in counts.items() if axis in axes)
+
+
 def test_traced_traffic_equals_what_torch_sends():
-    seen = spawn(workers.step_traffic, 8, "tiny", CASES, timeout_s=600)[0]
+    seen = spawn(workers.step_traffic, 8, "tiny", CASES + PRECISION_CASES, timeout_s=600)[0]
     for strategy, axes in CASES:
-        torch_counts = seen[workers._key(strategy, axes)]
+        torch_counts = seen[(workers._key(strategy, axes),)]
         assert torch_counts, strategy
         if strategy.startswith("tp"):  # 2D, 2.5D, 3D: gathers forward, reduce-scatters backward
             assert any(backward and source == "plan" for _, _, backward, source in torch_counts), strategy
         assert any(source == "op" for *_, source in torch_counts), strategy
         assert _static(strategy, axes) == torch_counts, strategy
+    for strategy, axes, precision in PRECISION_CASES:
+        torch_counts = seen[(workers._key(strategy, axes), precision)]
+        assert _static(strategy, axes, precision) == torch_counts, (strategy, precision)
+    # the tensor axis's activation sums are half as many bytes in bfloat16; dp's gradient sums are
+    # float32 in both
+    key = workers._key("fsdp+tp_sp", [("dp", 2), ("tp", 4)])
+    wide, narrow = seen[(key, "bf16")], seen[(key, "bf16-sum16")]
+    assert _bytes(narrow, "tp") < 0.6 * _bytes(wide, "tp"), (_bytes(narrow, "tp"), _bytes(wide, "tp"))
+    assert _bytes(narrow, "dp") == _bytes(wide, "dp")
 
 
 # Microbatches (8 ranks): each one's forward and backward collectives, the gradient sums once. Under

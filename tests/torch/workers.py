@@ -201,15 +201,15 @@ def pipeline_traffic(rank, cases):
 
 
 def step_traffic(rank, preset, cases):
-    """For each (strategy, mesh axes): what this rank sent in one training step (forward,
-    backward and the optimizer step's moves; no gradient buckets, so each parameter's sum is its
-    own record), as ``traffic_counts``."""
+    """For each (strategy, mesh axes[, precision]): what this rank sent in one training step
+    (forward, backward and the optimizer step's moves; no gradient buckets, so each parameter's sum
+    is its own record), as ``traffic_counts``, keyed by ``_key`` (and the precision where given)."""
     model = GPT(PRESETS[preset])
     params, b = model.init(0), batch(model.config)
     out = {}
-    for strategy, axes in cases:
-        session = TorchSession(make_program(model, strategy, Mesh(dict(axes)), batch=8), params, coalesce=False,
-                               bucket_bytes=None)
+    for strategy, axes, *precision in cases:
+        program = make_program(model, strategy, Mesh(dict(axes)), batch=8, precision=(precision or ["fp32"])[0])
+        session = TorchSession(program, params, coalesce=False, bucket_bytes=None)
         session.step(b)  # clears the log first: this step's collectives only
-        out[_key(strategy, axes)] = traffic_counts(session.log.entries)
+        out[(_key(strategy, axes), *precision)] = traffic_counts(session.log.entries)
     return out
