@@ -793,7 +793,9 @@ def _add_run_flags(p: argparse.ArgumentParser, *, steps: int | None, batch: int,
                         "attention output (selective)")
     p.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
                    help="the dtype the ops compute in: fp32, bf16 or fp16 (with dynamic loss scaling); parameters, "
-                        "AdamW's states, norms, softmax, the loss and every summing collective stay float32")
+                        "AdamW's states, norms, softmax, the loss and every summing collective stay float32; "
+                        "bf16-sum16 is bf16 with an activation's sums (tensor-parallel all-reduces, reduce-scatters) "
+                        "in bf16, as Megatron-LM runs them")
     p.add_argument("--offload", action="store_true",
                    help="keep AdamW's states in host memory (ZeRO-Offload's placement): JAX moves them in for the "
                         "update, torch steps them there with its fused CPU AdamW; without a pipeline; under zero1, "

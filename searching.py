@@ -542,6 +542,20 @@ def search(model, devices: int, batch: int, profile: Profile | str = "h100", *, 
         for e in todo:
             exact.add(e.candidate)
             estimates[estimates.index(e)] = s.estimate(e.candidate, exact=True)
+    # the best of each group of losers (what print_search shows for why they lost) exact too, a
+    # few rounds (an exact cost may move a layout to another group)
+    for _ in range(3):
+        ranked = sorted(estimates, key=lambda e: (not e.fits, e.time))
+        explain(ranked)
+        shown = {}
+        for e in ranked[1:]:
+            shown.setdefault(_group(e), e)
+        todo = [e for e in shown.values() if e.fits and e.candidate not in exact]
+        if not todo:
+            break
+        for e in todo:
+            exact.add(e.candidate)
+            estimates[estimates.index(e)] = s.estimate(e.candidate, exact=True)
     ranked = sorted(estimates, key=lambda e: (not e.fits, e.time))
     explain(ranked)
     return ranked, invalid, s
@@ -565,6 +579,11 @@ def explain(ranked: list[Estimate]) -> None:
         words = {"bubble": "bubble", "traffic": "more traffic", "compute": "more compute",
                  "optimizer": "slower optimizer step"}[term]
         e.why = f"{words} (+{1e3 * deltas[term]:.2f} ms)"
+
+
+def _group(e: Estimate) -> str:
+    """The reason ``e`` lost, without its figures: "more traffic", "does not fit", ..."""
+    return e.why.split(" (")[0].split(":")[0]
 
 
 def _size(n: float) -> str:
@@ -595,7 +614,7 @@ def print_search(ranked, invalid, s: Search, console, top: int, seconds: float, 
     console.print(table)
     groups: dict[str, list[Estimate]] = {}
     for e in ranked[1:]:
-        groups.setdefault(e.why.split(" (")[0].split(":")[0], []).append(e)
+        groups.setdefault(_group(e), []).append(e)
     why = Table(title="why the others lost (against #1; the best of each group)", title_justify="left")
     for col in ("reason", "layouts", "the best of them", "its step or peak"):
         why.add_column(col)

@@ -6,7 +6,8 @@ NVLink, InfiniBand between nodes, sequence 2048, vocabulary 51200).
 For each row: the search on the "a100" profile (core/cost.py: datasheet figures, matrix products
 at the A100's measured maximum matmul efficiency, kernels counted fused) picks a layout for the row's GPUs and batch; and the row's own layout (its t, p
 and d as Megatron ran it: tensor parallelism without sequence parallelism, one example per
-microbatch, every block recomputed, 1F1B) is costed by the same estimator. Throughput is the
+microbatch, every block recomputed, 1F1B, bf16 with the activations' tensor-parallel sums in bf16:
+"bf16-sum16", core/precision.py) is costed by the same estimator. Throughput is the
 paper's own count: 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs a step (recompute included) over
 the step time and the GPUs.
 
@@ -55,7 +56,7 @@ def row(params, heads, hidden, layers, t, p, gpus, batch, published) -> dict:
     flops = megatron_flops(batch, layers, hidden)
     d = gpus // (t * p)
     theirs = Candidate(p, d, 1, "tp" if t > 1 else None, t, "dp", None, 1, batch // d, "1f1b" if p > 1 else None, 1,
-                       "block", "bf16")
+                       "block", "bf16-sum16")
     mine = s.estimate(theirs, exact=True)
     out = {"params_B": params, "gpus": gpus, "batch": batch, "published": {"t": t, "p": p, "d": d,
                                                                              "tflops_per_gpu": published},
@@ -83,7 +84,7 @@ def main(argv=None) -> list[dict]:
     picks = [int(r) - 1 for r in args.rows.split(",")] if args.rows else range(len(TABLE1))
     rows = []
     print(f"{'model':>8} {'GPUs':>5} | {'Megatron t,p,d':>15} {'TF/s':>5} | {'parlay predicts for it':>22} "
-          f"{'ratio':>6} | {'search picks (t,sp,p,d, strategy, micro, schedule, remat)':<70} {'TF/s':>5} {'s':>5}")
+          f"{'ratio':>6} | {'search picks (t,sp,p,d, strategy, micro, schedule, remat, precision)':<80} {'TF/s':>5} {'s':>5}")
     for i in picks:
         r = row(*TABLE1[i])
         rows.append(r)
@@ -91,10 +92,10 @@ def main(argv=None) -> list[dict]:
         pick = r.get("search_pick")
         what = (f"t{pick['t']} sp{pick['sp']} p{pick['p']} d{pick['d']} {pick['strategy']} {pick['microbatches']}x"
                 f"{pick['mbs']} {pick['schedule'] or '-'}{' v' + str(pick['virtual']) if pick['virtual'] > 1 else ''} "
-                f"{pick['remat']}") if pick else "none fits"
+                f"{pick['remat']} {pick['precision']}") if pick else "none fits"
         print(f"{r['params_B']:>7}B {r['gpus']:>5} | {pub['t']:>5},{pub['p']:>3},{pub['d']:>4} "
               f"{pub['tflops_per_gpu']:>5} | {th['tflops_per_gpu']:>10.0f} TF/s{'' if th['fits'] else ' (no fit)':>8} "
-              f"{th['tflops_per_gpu'] / pub['tflops_per_gpu']:>6.2f} | {what:<70} "
+              f"{th['tflops_per_gpu'] / pub['tflops_per_gpu']:>6.2f} | {what:<80} "
               f"{pick['tflops_per_gpu'] if pick else 0:>5.0f} {r['search_s']:>5.0f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

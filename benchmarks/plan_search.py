@@ -31,7 +31,8 @@ def main(devices=(64, 512, 4096), batch: int = 4096) -> list[dict]:
                      "traces": s.traces, "trace_seconds": s.trace_seconds,
                      "pick": best and f"{best.candidate.strategy()} {best.candidate.mesh_text()} "
                                       f"{best.candidate.microbatches}x{best.candidate.mbs} "
-                                      f"{best.candidate.schedule or ''} {best.candidate.remat}"})
+                                      f"{best.candidate.schedule or ''} {best.candidate.remat} "
+                                      f"{best.candidate.precision}"})
         r = rows[-1]
         print(f"{n:>5} devices: {seconds:6.1f} s ({r['traces']} unit traces, {r['trace_seconds']:.1f} s of it), "
               f"{r['layouts']} layouts, {r['fit']} fit; picks {r['pick']}", flush=True)
