@@ -1,6 +1,7 @@
 """Does ``parlay plan``'s cost model rank layouts as this machine runs them? For 4 small GPT
 configurations, 5 layouts each on 8 fake JAX devices: the measured step time (JAX explicit mode,
-the executor running the plans the report counts; the fastest of 10 timed steps after compilation)
+the executor running the plans the report counts; the fastest of 15 timed steps after compilation,
+the 5 layouts taking turns a step at a time)
 against the predicted one on the "cpu" profile (core/cost.py), and the Spearman rank correlation
 per configuration.
 
@@ -32,20 +33,24 @@ LAYOUTS = [("dp", dict(dp=8)), ("fsdp", dict(dp=8)), ("tp", dict(tp=8)), ("dp+tp
            ("tp2d", dict(row=2, col=4))]
 
 
-def _measure(program, steps: int = 10) -> float:
-    data = RandomData(program.model)
-
-    def run(session):
-        batch = data.batch_at(0, program.batch, seed=0)
+def _measure(programs, rounds: int = 15) -> list[float]:
+    """Each program's step time: its fastest of ``rounds`` timed steps after compilation, the
+    layouts taking turns a step at a time, so that a slow spell of the machine falls on all of them
+    rather than on one layout's run."""
+    sessions, batches = [], []
+    for program in programs:
+        session = get_backend("jax").run(program, lambda session: session)
+        batch = RandomData(program.model).batch_at(0, program.batch, seed=0)
         session.step(batch)  # compile
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
+        sessions.append(session)
+        batches.append(batch)
+    times = [[] for _ in programs]
+    for _ in range(rounds):
+        for session, batch, t in zip(sessions, batches, times):
+            start = time.perf_counter()
             session.step(batch)
-            times.append(time.perf_counter() - t)
-        return float(np.min(times))  # the least disturbed step: 2 shared cores make the others noisy
-
-    return get_backend("jax").run(program, run)
+            t.append(time.perf_counter() - start)
+    return [float(np.min(t)) for t in times]  # the least disturbed step: 2 shared cores make the others noisy
 
 
 def spearman(a, b) -> float:
@@ -57,11 +62,9 @@ def main() -> dict:
     out = {}
     for label, (preset, changes, batch) in CONFIGS.items():
         model = GPT(PRESETS[preset].with_(**changes))
-        rows = []
-        for strategy, axes in LAYOUTS:
-            program = make_program(model, strategy, Mesh(**axes), batch=batch)
-            predicted = predict(plan_report(program), "cpu")
-            rows.append((strategy, _measure(program), predicted))
+        programs = [make_program(model, strategy, Mesh(**axes), batch=batch) for strategy, axes in LAYOUTS]
+        rows = [(strategy, measured, predict(plan_report(program), "cpu"))
+                for (strategy, _), program, measured in zip(LAYOUTS, programs, _measure(programs))]
         rho = spearman([r[1] for r in rows], [r[2].total for r in rows])
         out[label] = (rows, rho)
         print(f"{label}: Spearman {rho:.2f}")
