@@ -449,8 +449,10 @@ def _plan_check(report, console: Console):
                       f"collectives, the HLO the accumulation loop's body once (it runs {program.microbatches} times)",
                       soft_wrap=True)
     if program.remat.value != "none":
-        console.print(f"remat {program.remat.value}: the HLO holds the collectives the backward's recomputation runs "
-                      f"again; the plan does not count them", soft_wrap=True)
+        console.print(f"remat {program.remat.value}: the plan counts the collectives torch's recomputation runs again "
+                      f"(a layer's, up to its last op that keeps a tensor for the backward); XLA recomputes only what "
+                      f"the backward needs and can reuse a parameter gathered in the forward, so the HLO may hold fewer",
+                      soft_wrap=True)
     if program.precision.dtype == "bfloat16" and not check.equal:
         console.print("bf16: XLA's CPU backend has no bf16 collectives and sends them as float32 (twice the bytes); "
                       "the plan counts bf16, as a GPU sends them", soft_wrap=True)

@@ -65,7 +65,7 @@ class PlanReport:
     def to_json(self) -> dict[str, Any]:
         p = self.program
         rec = lambda r: {"kind": r.kind.value, "axes": list(r.axes), "bytes": r.nbytes, "source": r.source.value,
-                         "dtype": r.dtype, "layer": r.where}
+                         "dtype": r.dtype, "layer": r.where, "backward": r.backward, "recomputed": r.again}
         pair = lambda row: {ph: {"count": c, "bytes": n} for ph, (c, n) in row.items()}
         return {
             "model": p.model_ref, "strategy": p.strategy.name, "mesh": dict(p.mesh.axes), "batch": p.batch,
@@ -137,7 +137,8 @@ def _repeated(records, m: int) -> tuple[list, list]:
     gradient sums once."""
     each = [r for r in _sent(records) if not r.param]
     once = [r for r in _sent(records) if r.param]
-    return [r for r in each if not r.backward] * m, [r for r in each if r.backward] * m + once
+    # remat's recomputed collectives (``again``) run in the backward, though torch logs them as forward
+    return [r for r in each if not (r.backward or r.again)] * m, [r for r in each if r.backward or r.again] * m + once
 
 
 def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list, list]:
@@ -157,10 +158,10 @@ def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list,
         whole = tracer.trace_stage(program, stage).entries
         fwd = _repeated([r for r in whole if not r.backward], runs[Op.F])[0]
         bwd, summed = [], False
-        for op in (Op.B, Op.I, Op.W):
+        for op in (Op.B, Op.I, Op.W):  # each pass with the recomputation it runs (``again``)
             if runs[op]:
                 entries = whole if op is Op.B else tracer.trace_stage(program, stage, op.value).entries
-                each = [r for r in entries if r.backward and not (summed and r.param)]  # the sums: once a stage
+                each = [r for r in entries if (r.backward or r.again) and not (summed and r.param)]  # sums: once
                 bwd += _repeated(each, runs[op])[1]
                 summed = summed or any(r.param for r in each)
         where = f"pp stage {stage}"
@@ -221,3 +222,9 @@ def print_plan(report: PlanReport, console, title: str) -> None:
     console.print(kinds)
     console.print(f"and the gradient norm for clipping: one all-reduce of {NORM_BYTES} B (float64) over all "
                   f"{p.mesh.size} ranks", soft_wrap=True)
+    again = [r for r in report.records.get("backward", ()) if r.again]
+    if again:
+        console.print(f"remat {p.remat.value}: {len(again)} of the backward's collectives "
+                      f"({_size(sum(r.nbytes for r in again))}) are the forward's run again by the recomputation (torch's "
+                      f"checkpoint re-runs a layer up to its last op that keeps a tensor for the backward)",
+                      soft_wrap=True)

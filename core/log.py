@@ -33,6 +33,7 @@ class CollectiveRecord:
     dtype: str = ""  # what was sent ("float32", "bfloat16", ...; mixed precision's sums must be float32)
     where: str = ""  # the layer it belongs to ("blocks.3", "embed"; traced counts only: ``layer_of``)
     param: str = ""  # the parameter whose gradient it sums (traced counts only: buckets may join these)
+    again: bool = False  # run again by remat's recomputation in the backward (traced counts only)
 
 
 @dataclass

@@ -13,8 +13,10 @@ makes its own choices: the README gives the measured difference).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from ...core.program import Program
 from ...core.remat import remat_loss, run_layers
 from ...core.session import input_values, make_executor, scalar_loss, sharded_params
 from ...core.log import CollectiveLog, Source, layer_of
+from ...core.ops import ELEMENTWISE
 from ...core.steps import AllGather, AllReduce, AllToAll, Kind, LocalSlice, Permute, ReduceScatter
 from ...core.strategies import Role
 from .comm import custom_op
@@ -96,6 +99,8 @@ class TrafficComm(ShapeComm):
         super().__init__(mesh)
         self.log = log
         self.where = ""  # the layer whose parameter was used last (``Scoped``): the records' ``where``
+        self.saved_at = 0  # the log's length when the last op that keeps a tensor for its backward ended
+        self.retraced: list[range] = []  # records of a custom op's forward: JAX traces it again under remat
 
     def _logged(self, fwd, x, forward, backward, param: str = ""):
         """``fwd(x)``, recording ``forward(x)`` now and ``backward(g)`` when its transpose is traced:
@@ -182,7 +187,14 @@ class TrafficComm(ShapeComm):
             finally:
                 self.where = outer
 
-        return super().custom(fwd, scoped, *xs)
+        def noted(*args):
+            start = len(self.log.entries)
+            try:
+                return fwd(*args)
+            finally:
+                self.retraced.append(range(start, len(self.log.entries)))
+
+        return super().custom(noted, scoped, *xs)
 
     def shift(self, x, axes, *, backward=False):
         self.log.record(Kind.PERMUTE, tuple(axes), math.prod(x.shape) * x.dtype.itemsize, backward, dtype=x.dtype,
@@ -190,20 +202,62 @@ class TrafficComm(ShapeComm):
         return x
 
 
+# The model's ops that keep a tensor for their backward in torch's autograd (a product's operands,
+# a norm's input and statistics, an activation's input, attention's outputs, dropout's mask): under
+# remat, torch's non-reentrant checkpoint recomputes a layer until the last of these (it stops
+# early once every kept tensor is back), so the collectives after it do not run again.
+KEEPS = frozenset({"einsum", "mul", "rms_norm", "layer_norm", "softmax", "attention", "rotary", "dropout", "embed",
+                   "cross_entropy", *ELEMENTWISE})
+
+
 class Scoped:
     """The executor, each parameter's use telling ``comm`` which layer the next collectives
     belong to (``layer_of`` its name): a collective after a layer's last parameter and before the
-    next layer's first (its residual's constraint) counts in that layer; the loss in the head's."""
+    next layer's first (its residual's constraint) counts in that layer; the loss in the head's.
+    An op in ``KEEPS`` moves ``comm.saved_at`` to the log's end (``remat_again``)."""
 
     def __init__(self, ops, comm: TrafficComm):
         self._ops, self._comm = ops, comm
 
     def __getattr__(self, name):
-        return getattr(self._ops, name)
+        op = getattr(self._ops, name)
+        if name not in KEEPS:
+            return op
+        comm = self._comm
+
+        def keeps(*args, **kwargs):
+            out = op(*args, **kwargs)
+            comm.saved_at = len(comm.log.entries)
+            return out
+
+        return keeps
 
     def param(self, name, value, dims):
         self._comm.where = layer_of(name)
         return self._ops.param(name, value, dims)
+
+
+def remat_again(remat, log: CollectiveLog, comm: Callable[[], TrafficComm]) -> Callable | None:
+    """``jax_checkpoint(remat)`` that, for each layer it wraps, adds to ``log`` the collectives
+    torch runs again when its backward recomputes the layer: the layer's forward records up to its
+    last op in ``KEEPS`` (torch's checkpoint stops there), as forward records (torch logs a
+    recomputed collective as its forward), those of a custom op's forward left out (JAX traces that
+    forward again itself, so they are already in the log twice). ``comm()``: the trace's comm."""
+    checkpoint = jax_checkpoint(remat)
+    if checkpoint is None:
+        return None
+
+    def run(fn, x):
+        c = comm()
+        start = c.saved_at = len(log.entries)
+        out = checkpoint(fn, x)
+        again = [e for i, e in enumerate(log.entries[start:c.saved_at], start)
+                 if not e.backward and not any(i in r for r in c.retraced)]
+        log.entries += [dataclasses.replace(e, again=True) for e in again]
+        c.saved_at = len(log.entries)
+        return out
+
+    return run
 
 
 def collective_traffic(program: Program) -> CollectiveLog:
@@ -228,7 +282,8 @@ def trace_step(program: Program) -> tuple[CollectiveLog, int, Written]:
         sp = sharded_params(p, params)
         comm = TrafficComm(p.mesh, log)
         ops = make_executor(p, comm, sp, coalesce=False)
-        loss = remat_loss(p.model, p.remat, Scoped(ops, comm), sp, input_values(p, batch), jax_checkpoint(p.remat))
+        loss = remat_loss(p.model, p.remat, Scoped(ops, comm), sp, input_values(p, batch),
+                          remat_again(p.remat, log, lambda: comm))
         return scalar_loss(ops, loss)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, inputs)
@@ -272,7 +327,8 @@ def trace_stage(program: Program, stage: int, part: str = "B") -> CollectiveLog:
         scoped = Scoped(ops, comm)
         h = p.model.embed(scoped, sp, input_values(p, batch)) if first else \
             Sharded(x, x_layout, tuple(shape), frozenset(x_layout.spec.axes))
-        h = run_layers(p.model, p.remat, scoped, sp, pipe.layers_of_stage[stage], h, jax_checkpoint(p.remat))
+        h = run_layers(p.model, p.remat, scoped, sp, pipe.layers_of_stage[stage], h,
+                       remat_again(p.remat, log, lambda: comm))
         if last:
             return scalar_loss(ops, p.model.head(scoped, sp, h, input_values(p, batch)))
         return jnp.sum(ops.constrain(h, dims).local * dy)  # the backward seeded with the received gradient

@@ -187,29 +187,33 @@ def traffic_counts(entries) -> dict:
 
 
 def pipeline_traffic(rank, cases):
-    """For each (preset, layers, strategy, mesh axes, schedule, microbatches): what this rank sent
-    in one training step of its microbatches (a pipeline's or not), with a gradient bucket per parameter (each sum its own
-    record, sent once the step's last microbatch is back, as by default)."""
+    """For each (preset, layers, strategy, mesh axes, schedule, microbatches[, remat]): what this
+    rank sent in one training step of its microbatches (a pipeline's or not), with a gradient bucket
+    per parameter (each sum its own record, sent once the step's last microbatch is back, as by
+    default), keyed by (preset, layers, strategy, schedule, remat)."""
     out = {}
-    for preset, layers, strategy, axes, schedule, m in cases:
+    for preset, layers, strategy, axes, schedule, m, *remat in cases:
+        remat = (remat or ["none"])[0]
         model = GPT(PRESETS[preset].with_(layers=layers))
-        program = make_program(model, strategy, Mesh(dict(axes)), batch=8, microbatches=m, schedule=schedule)
+        program = make_program(model, strategy, Mesh(dict(axes)), batch=8, microbatches=m, schedule=schedule,
+                               remat=remat)
         session = TorchSession(program, model.init(0), coalesce=False, bucket_bytes=1)
         session.step(batch(model.config))
-        out[preset, layers, strategy, schedule] = traffic_counts(session.log.entries)
+        out[preset, layers, strategy, schedule, remat] = traffic_counts(session.log.entries)
     return out
 
 
 def step_traffic(rank, preset, cases):
-    """For each (strategy, mesh axes[, precision]): what this rank sent in one training step
-    (forward, backward and the optimizer step's moves; no gradient buckets, so each parameter's sum
-    is its own record), as ``traffic_counts``, keyed by ``_key`` (and the precision where given)."""
+    """For each (strategy, mesh axes[, make_program's options]): what this rank sent in one training
+    step (forward, backward and the optimizer step's moves; no gradient buckets, so each parameter's
+    sum is its own record), as ``traffic_counts``, keyed by ``_key`` and the options' items."""
     model = GPT(PRESETS[preset])
     params, b = model.init(0), batch(model.config)
     out = {}
-    for strategy, axes, *precision in cases:
-        program = make_program(model, strategy, Mesh(dict(axes)), batch=8, precision=(precision or ["fp32"])[0])
+    for strategy, axes, *options in cases:
+        options = (options or [{}])[0]
+        program = make_program(model, strategy, Mesh(dict(axes)), batch=8, **options)
         session = TorchSession(program, params, coalesce=False, bucket_bytes=None)
         session.step(b)  # clears the log first: this step's collectives only
-        out[(_key(strategy, axes), *precision)] = traffic_counts(session.log.entries)
+        out[_key(strategy, axes), *sorted(options.items())] = traffic_counts(session.log.entries)
     return out
