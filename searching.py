@@ -11,8 +11,9 @@ Tens of thousands of them are costed without building or tracing their programs:
   the key, so 64 and 4096 devices share the traces;
 - a block's FLOPs, written bytes and kept activations (with and without block remat) are the
   layers=2 trace's less the layers=1 trace's, the rest (embedding, head, loss) what is left; a
-  block's collectives are those the layers=2 trace records under ``blocks.0``, the rest's those
-  outside ``blocks.*``;
+  block's collectives are those the layers=2 trace records under ``blocks.0`` (under block remat
+  its forward's up to its last op that keeps a tensor run again, as torch recomputes them), the
+  rest's those outside ``blocks.*``;
 - a candidate scales the unit: blocks by L (a pipeline stage's: L/p), what an example carries
   (FLOPs, written bytes, activations, collectives of activations) by the examples per microbatch;
   collectives over the data axis (gradient sums, ZeRO's and FSDP's gathers) by (n-1)/n of the real
@@ -193,6 +194,17 @@ def _trace_unit(args) -> tuple:
     return unit, s.traces
 
 
+def _split(log) -> tuple[list, list]:
+    """A 2-layer unit's records: the first block's (those its remat recomputation would run again,
+    the forward's before its last op that keeps a tensor, marked ``again``: planning.py counts the
+    same), and the rest's (embedding, head, loss)."""
+    until = log.kept.get("blocks.0", 0)
+    block = [replace(r, again=not r.backward and i < until) for i, r in enumerate(log.entries)
+             if r.where == "blocks.0" and r.kind is not Kind.LOCAL_SLICE]
+    rest = [r for r in log.entries if not r.where.startswith("blocks.") and r.kind is not Kind.LOCAL_SLICE]
+    return block, rest
+
+
 def pipeline_closed_form(kind: str, p: int, m: int, v: int = 1) -> tuple[float, int]:
     """(makespan in units of one rank's time for one microbatch, the most chunks rank 0 holds)
     of 1F1B (v = 1) and Megatron's interleaved schedule with equal stage costs."""
@@ -259,8 +271,7 @@ class Search:
             self.units[key] = e
             raise
         (_, f1, w1, m1), (log2, f2, w2, m2) = got[1], got[2]
-        block_recs = [r for r in log2.entries if r.where == "blocks.0" and r.kind is not Kind.LOCAL_SLICE]
-        rest_recs = [r for r in log2.entries if not r.where.startswith("blocks.") and r.kind is not Kind.LOCAL_SLICE]
+        block_recs, rest_recs = _split(log2)
         block = _Part(f2 - f1, w2 - w1, m2.activations - m1.activations, None, block_recs)
         rest = _Part(2 * f1 - f2, 2 * w1 - w2, 2 * m1.activations - m2.activations, None, rest_recs)
         out = _Unit(block, rest, m1.largest, m1.inputs, dict(unit.mesh_axes(pp=False)), examples, family)
@@ -296,9 +307,7 @@ class Search:
             u = replace(c, dp=2, pp=1)
             log, _, _ = get_backend("jax-single").trace_step(self._program(u, 2, c.data, 2,
                                                                            u.batch_ways * unit.examples))
-            unit.data_records[c.data] = (
-                [r for r in log.entries if r.where == "blocks.0" and r.kind is not Kind.LOCAL_SLICE],
-                [r for r in log.entries if not r.where.startswith("blocks.") and r.kind is not Kind.LOCAL_SLICE])
+            unit.data_records[c.data] = _split(log)
             self.traces += 1
             self.trace_seconds += time.perf_counter() - t0
         return unit.data_records[c.data]
@@ -387,14 +396,14 @@ class Search:
                 else:
                     nbytes, axes = r.nbytes * x, r.axes
                 rec = CollectiveRecord(r.kind, axes, round(nbytes * (reps if r.param else 1)), r.backward,
-                                       r.source, r.dtype, r.where, r.param)
+                                       r.source, r.dtype, r.where, r.param, r.again)
                 (once if r.param else micro).append(rec)
             return micro, once
 
         b_micro, b_once = scaled(block_recs, n)
         r_micro, r_once = scaled(rest_recs, 1)
         remat = c.remat == "block"
-        fwd_again = [r for r in b_micro if not r.backward] if remat else []
+        fwd_again = [r for r in b_micro if r.again] if remat else []  # what torch's recomputation runs again
         i_b, o_b = comm_time(mesh, b_micro + fwd_again, prof)
         i_r, o_r = comm_time(mesh, r_micro, prof)
         policy = parse_precision(c.precision)

@@ -39,6 +39,9 @@ class CollectiveRecord:
 @dataclass
 class CollectiveLog:
     entries: list = field(default_factory=list)
+    # traced counts only: layer -> the log's length when its last forward op that keeps a tensor for
+    # the backward ended (a remat recomputation of the layer re-runs the records before it)
+    kept: dict = field(default_factory=dict)
 
     def record(self, kind: Kind, axes, nbytes: int, backward: bool = False, source: Source | str = Source.PLAN,
                dtype: object = "", where: str = "", param: str = "") -> None:

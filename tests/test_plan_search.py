@@ -69,16 +69,25 @@ def test_the_scaled_unit_is_the_full_programs_trace(exact):
     assert worst["memory"] <= (1e-9 if exact else 0.4), worst
 
 
-def test_block_remat_adds_a_forward_and_keeps_less():
-    c = _c(2, "tp_sp", 2, "dp", None, 1, 2)
+@pytest.mark.parametrize("c", [_c(2, "tp_sp", 2, "dp", None, 1, 2), _c(2, "tp", 2, "fsdp", None, 1, 2)],
+                         ids=["dp+tp_sp", "fsdp+tp"])
+def test_block_remat_adds_a_forward_and_keeps_less(c):
+    """Block remat adds a third of the blocks' FLOPs, keeps less, and runs again the collectives
+    torch's recomputation runs (each block's up to its last op that keeps a tensor): the same
+    bytes and time as the full program's ``parlay plan``, which equals torch's log
+    (tests/torch/test_traffic.py)."""
     s = Search(GPT(CFG), 4, PROFILES["h100"])
-    plain, remat = s.estimate(c, exact=True), s.estimate(Candidate(**{**c.__dict__, "remat": "block"}), exact=True)
+    blocked = Candidate(**{**c.__dict__, "remat": "block"})
+    plain, remat = s.estimate(c, exact=True), s.estimate(blocked, exact=True)
     unit = s.unit(c, exact=True)
     assert remat.flops - plain.flops == pytest.approx(CFG.layers * unit.block.flops / 3)  # Megatron's 4/3 count
     assert remat.sent > plain.sent  # the blocks' forward collectives run again
     assert remat.activations < plain.activations
-    _, _, mem = _full(Candidate(**{**c.__dict__, "remat": "block"}), 4)
+    report, want, mem = _full(blocked, 4)
     assert remat.memory == pytest.approx(mem.peak, rel=1e-9)
+    assert remat.sent == pytest.approx(report.sent(), rel=1e-4, abs=2)
+    assert remat.comm == pytest.approx(want.comm, rel=1e-6)
+    assert any(r.again for r in report.records["backward"])
 
 
 @pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])

@@ -227,7 +227,7 @@ class Scoped:
 
         def keeps(*args, **kwargs):
             out = op(*args, **kwargs)
-            comm.saved_at = len(comm.log.entries)
+            comm.saved_at = comm.log.kept[comm.where] = len(comm.log.entries)
             return out
 
         return keeps
