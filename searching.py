@@ -543,14 +543,18 @@ def search(model, devices: int, batch: int, profile: Profile | str = "h100", *, 
     # the leaders again from units traced at their own microbatch size (the scaled written bytes,
     # largest value and activations are estimates); until the first ``top`` are all exact
     exact: set = set()
+
+    def costed_exactly(todo):
+        for e in todo:
+            exact.add(e.candidate)
+            estimates[estimates.index(e)] = s.estimate(e.candidate, exact=True)
+
     while True:
         leaders = [e for e in sorted(estimates, key=lambda e: e.time) if e.fits][:max(top, 1)]
         todo = [e for e in leaders if e.candidate not in exact]
         if not todo:
             break
-        for e in todo:
-            exact.add(e.candidate)
-            estimates[estimates.index(e)] = s.estimate(e.candidate, exact=True)
+        costed_exactly(todo)
     # the best of each group of losers (what print_search shows for why they lost) exact too, a
     # few rounds (an exact cost may move a layout to another group)
     for _ in range(3):
@@ -562,9 +566,7 @@ def search(model, devices: int, batch: int, profile: Profile | str = "h100", *, 
         todo = [e for e in shown.values() if e.fits and e.candidate not in exact]
         if not todo:
             break
-        for e in todo:
-            exact.add(e.candidate)
-            estimates[estimates.index(e)] = s.estimate(e.candidate, exact=True)
+        costed_exactly(todo)
     ranked = sorted(estimates, key=lambda e: (not e.fits, e.time))
     explain(ranked)
     return ranked, invalid, s

@@ -99,7 +99,6 @@ class TrafficComm(ShapeComm):
         super().__init__(mesh)
         self.log = log
         self.where = ""  # the layer whose parameter was used last (``Scoped``): the records' ``where``
-        self.saved_at = 0  # the log's length when the last op that keeps a tensor for its backward ended
         self.retraced: list[range] = []  # records of a custom op's forward: JAX traces it again under remat
 
     def _logged(self, fwd, x, forward, backward, param: str = ""):
@@ -214,7 +213,7 @@ class Scoped:
     """The executor, each parameter's use telling ``comm`` which layer the next collectives
     belong to (``layer_of`` its name): a collective after a layer's last parameter and before the
     next layer's first (its residual's constraint) counts in that layer; the loss in the head's.
-    An op in ``KEEPS`` moves ``comm.saved_at`` to the log's end (``remat_again``)."""
+    An op in ``KEEPS`` writes down the log's length in ``log.kept`` under its layer."""
 
     def __init__(self, ops, comm: TrafficComm):
         self._ops, self._comm = ops, comm
@@ -227,7 +226,7 @@ class Scoped:
 
         def keeps(*args, **kwargs):
             out = op(*args, **kwargs)
-            comm.saved_at = comm.log.kept[comm.where] = len(comm.log.entries)
+            comm.log.kept[comm.where] = len(comm.log.entries)
             return out
 
         return keeps
@@ -248,13 +247,12 @@ def remat_again(remat, log: CollectiveLog, comm: Callable[[], TrafficComm]) -> C
         return None
 
     def run(fn, x):
-        c = comm()
-        start = c.saved_at = len(log.entries)
+        start = len(log.entries)
         out = checkpoint(fn, x)
-        again = [e for i, e in enumerate(log.entries[start:c.saved_at], start)
-                 if not e.backward and not any(i in r for r in c.retraced)]
+        until = max((n for n in log.kept.values() if n > start), default=start)  # the layer's last kept tensor
+        again = [e for i, e in enumerate(log.entries[start:until], start)
+                 if not e.backward and not any(i in r for r in comm().retraced)]
         log.entries += [dataclasses.replace(e, again=True) for e in again]
-        c.saved_at = len(log.entries)
         return out
 
     return run
