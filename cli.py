@@ -433,6 +433,7 @@ def _plan_check(report, console: Console):
         table.add_row(r.phase, r.kind, str(r.plan_count), f"{r.plan_bytes:,}", str(r.xla_count), f"{r.xla_bytes:,}",
                       verdict, style=None if r.equal else "yellow")
     console.print(table)
+    _jax_table(check, console)
     norm = (f"XLA all-reduces {check.norm_bytes:,} bytes of float32 partial sums, one per sharded parameter"
             if check.norm_bytes else "XLA needs none (no parameter is sharded)")
     console.print("equal: within 4 bytes a plan record + 1 an HLO instruction (the ring formula's rounding); counts "
@@ -453,6 +454,10 @@ def _plan_check(report, console: Console):
                       f"(a layer's, up to its last op that keeps a tensor for the backward); XLA recomputes only what "
                       f"the backward needs and can reuse a parameter gathered in the forward, so the HLO may hold fewer",
                       soft_wrap=True)
+    if program.microbatches > 1 and not check.jax_equal:
+        console.print(f"JAX explicit sums the parameters' gradients every microbatch ({program.microbatches} times; "
+                      f"README, 'Gradient accumulation'); the plan counts torch's, which wait for the last",
+                      soft_wrap=True)
     if program.precision.dtype == "bfloat16" and not check.equal:
         console.print("bf16: XLA's CPU backend has no bf16 collectives and sends them as float32 (twice the bytes); "
                       "the plan counts bf16, as a GPU sends them", soft_wrap=True)
@@ -460,6 +465,19 @@ def _plan_check(report, console: Console):
         console.print("the plan and XLA move different bytes in the rows marked: README, 'Checking a plan against "
                       "XLA', says which differences are known and why", style="yellow", soft_wrap=True)
     return check
+
+
+def _jax_table(check, console: Console) -> None:
+    """``--check``'s rows of the plan beside JAX explicit's jaxpr, by phase, kind and axes."""
+    table = Table(title="the plan against JAX explicit's program (its jaxpr before XLA; forward and backward, rank 0 "
+                        "/ device 0; exactly)", title_justify="left")
+    for col in ("phase", "kind", "axes", "plan #", "plan bytes", "JAX #", "JAX bytes", "diff"):
+        table.add_column(col, justify="left" if col in ("phase", "kind", "axes") else "right", no_wrap=True)
+    for phase, kind, axes, pc, pb, jc, jb in check.jax_rows:
+        same = (pc, pb) == (jc, jb)
+        table.add_row(phase, kind, ",".join(axes) or "-", str(pc), f"{pb:,}", str(jc), f"{jb:,}",
+                      "equal" if same else f"{jc - pc:+} / {jb - pb:+,}", style=None if same else "yellow")
+    console.print(table)
 
 
 def _plan_search(args: argparse.Namespace, console: Console) -> int:

@@ -7,13 +7,28 @@ from dataclasses import dataclass, field
 
 from .steps import Kind
 
-__all__ = ["Source", "CollectiveRecord", "CollectiveLog", "layer_of"]
+__all__ = ["Source", "CollectiveRecord", "CollectiveLog", "layer_of", "sent_bytes"]
 
 
 class Source(enum.Enum):
     PLAN = "plan"  # a step of a redistribution plan
     OP = "op"  # an op's own reduction (norm statistics, the loss), vary's sum, a gradient bucket
     P2P = "p2p"  # a pipeline stage's output or input gradient, sent to the neighbouring pp rank
+
+
+def sent_bytes(kind: Kind, group_size: int, elems: int, itemsize: int) -> int:
+    """What a rank sends in a collective on ``elems`` local elements, as the logs count it: the ring
+    formula (core/steps.py's ``collective_cost``) in whole elements, rounded down (torch's log)."""
+    n = group_size
+    if n == 1 or kind is Kind.LOCAL_SLICE:
+        return 0
+    if kind is Kind.ALL_GATHER:
+        return (n - 1) * elems * itemsize
+    if kind in (Kind.REDUCE_SCATTER, Kind.ALL_TO_ALL):
+        return (n - 1) * elems // n * itemsize
+    if kind is Kind.ALL_REDUCE:
+        return 2 * (n - 1) * elems // n * itemsize
+    return elems * itemsize  # a permute
 
 
 def layer_of(param: str) -> str:

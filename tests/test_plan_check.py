@@ -1,6 +1,6 @@
 """``parlay plan --check`` (backends/jax/plan_check.py): the plan's collective bytes against the
 optimized HLO of the same program compiled on JAX explicit, and its memory against XLA's
-``memory_analysis()``. Nothing runs; each case compiles two functions (about 2 s).
+``memory_analysis()``; its collectives against JAX explicit's jaxpr, exactly. Nothing runs; each case compiles two functions (about 2 s).
 
 For the data-parallel, 1D, 2D and 3D tensor-parallel and sequence-parallel strategies the bytes
 are equal kind by kind (up to the ring formula's rounding); ring attention's permutes are the one
@@ -34,6 +34,7 @@ def test_the_plan_sends_the_bytes_xla_compiles(strategy, axes):
     executor moved one activation once for q, k and v (XLA merged the copies torch sent)."""
     check = _check(strategy, axes)
     assert check.rows and check.equal, [r for r in check.rows if not r.equal]
+    assert check.jax_rows and check.jax_equal, check.jax_rows  # and JAX explicit's jaxpr, exactly
     assert {r.kind for r in check.rows if r.phase == "fwd+bwd"} >= {"all-reduce"}
     predicted, xla = check.peak
     assert abs(predicted / xla - 1) <= 0.15, check.to_json()["peak"]
@@ -47,8 +48,11 @@ def test_a_shared_slice_gathers_its_gradient_on_jax(strategy, axes):
     transposed such a slice to a sum of the zero-padded gradient (twice the bytes, an all-reduce)
     until ``JaxComm.slice_shared`` gave it the all-gather. Ring's permutes are the one known
     difference: XLA keeps the forward's rotated K and V for the backward, where torch (and the
-    plan) sends them around the ring again."""
-    rows = {r.kind: r for r in _check(strategy, axes).rows}
+    plan) sends them around the ring again. JAX explicit's own program (its jaxpr, before XLA)
+    sends them again too: equal to the plan there, permutes included."""
+    check = _check(strategy, axes)
+    assert check.jax_equal, check.jax_rows
+    rows = {r.kind: r for r in check.rows}
     assert rows["all-gather"].plan_bytes > 0 and rows["all-gather"].equal and rows["all-reduce"].equal
     assert all(r.equal for k, r in rows.items() if k != "permute" or strategy != "ring"), rows
     if strategy == "ring":
@@ -64,8 +68,11 @@ def test_parlay_plan_check_prints_and_writes_it(tmp_path, capsys):
     assert main(["plan", "--strategy", "tp_sp", "--mesh", "tp=2", "--check", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "the plan against XLA's compiled step" in out and "equal" in out and "memory_analysis" not in out
+    assert "the plan against JAX explicit's program" in out
     check = json.loads(path.read_text())["check"]
     assert all(r["equal"] for r in check["collectives"]) and check["peak"]["xla_total"] > 0
+    assert check["jax_explicit"] and all(r["equal"] for r in check["jax_explicit"])
+    assert {r["phase"] for r in check["jax_explicit"]} == {"forward", "backward"}
     assert main(["plan", "--strategy", "pp", "--mesh", "pp=2", "--microbatches", "2", "--check"]) == 2
     assert "--check compiles one step without a pipeline" in capsys.readouterr().err
     assert main(["plan", "--devices", "8", "--check"]) == 2

@@ -176,7 +176,9 @@ class TrafficComm(ShapeComm):
 
     def custom(self, fwd, bwd, *xs):
         """A custom op (ring attention) whose backward's collectives count in the layer its forward
-        ran in: JAX traces the backward after the whole forward, when ``where`` names the head."""
+        ran in: JAX traces the backward after the whole forward, when ``where`` names the head.
+        Under remat JAX traces the op's forward a second time, the backward's recomputation: those
+        records are marked ``again`` (they run in the backward)."""
         where = self.where
 
         def scoped(res, g):
@@ -186,12 +188,18 @@ class TrafficComm(ShapeComm):
             finally:
                 self.where = outer
 
+        traced = []
+
         def noted(*args):
             start = len(self.log.entries)
             try:
                 return fwd(*args)
-            finally:
-                self.retraced.append(range(start, len(self.log.entries)))
+            finally:  # traced again (remat's recomputation): those records run in the backward
+                entries = self.log.entries
+                if traced:
+                    entries[start:] = [dataclasses.replace(e, again=True) for e in entries[start:]]
+                traced.append(range(start, len(entries)))
+                self.retraced.append(traced[-1])
 
         return super().custom(noted, scoped, *xs)
 

@@ -1,4 +1,5 @@
-"""``parlay plan --check``: the plan against what XLA compiles for the same program.
+"""``parlay plan --check``: the plan against what JAX explicit runs and XLA compiles for the same
+program.
 
 The program is built on this machine's JAX devices in explicit mode (``shard_map``, parlay's own
 collectives) and its two jitted functions compiled, nothing run:
@@ -9,9 +10,11 @@ collectives) and its two jitted functions compiled, nothing run:
 - the whole training step (gradients and AdamW's update, the state donated): its collectives
   less the gradients' are the optimizer's, against the plan's optimizer records; its
   ``memory_analysis()`` total (arguments + outputs - aliased + temporary) against the plan's
-  predicted peak.
+  predicted peak;
+- the loss and gradients' jaxpr, before XLA (``jaxpr_traffic``): JAX explicit's collectives,
+  forward and backward, by phase, kind and mesh axes, against the plan's, exactly (``jax_rows``).
 
-Counts differ by design: XLA combines collectives of one group into one instruction (its
+XLA's counts differ by design: XLA combines collectives of one group into one instruction (its
 all-reduce combiner) and drops a collective whose result another already computed. Bytes are
 compared instead: equal up to the rounding of the ring formula (each record and each
 instruction rounds to whole bytes, ``tolerance``). Where they differ the check says so, with the
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ...core.program import Program
 
-__all__ = ["KindCheck", "PlanCheck", "check_plan"]
+__all__ = ["KindCheck", "PlanCheck", "check_plan", "traffic_rows"]
 
 PHASES = ("fwd+bwd", "optimizer")
 
@@ -62,17 +65,59 @@ class PlanCheck:
     norm_bytes: int = 0  # XLA's clip-norm partial sums: scalar all-reduces the optimizer adds
     activations: tuple[int, int] = (0, 0)  # (predicted, XLA temporary bytes of the gradients)
     peak: tuple[int, int] = (0, 0)  # (predicted, XLA's total for the step)
+    # the plan's forward and backward beside JAX explicit's jaxpr (``traffic_rows``): exactly
+    jax_rows: list[tuple] = field(default_factory=list)
 
     @property
     def equal(self) -> bool:
         return all(r.equal for r in self.rows)
+
+    @property
+    def jax_equal(self) -> bool:
+        return all(r[3:5] == r[5:7] for r in self.jax_rows)
 
     def to_json(self) -> dict:
         ratio = lambda pair: pair[0] / pair[1] if pair[1] else None
         return {"collectives": [r.to_json() for r in self.rows], "xla_clip_norm_bytes": self.norm_bytes,
                 "activations": {"predicted": self.activations[0], "xla_temp": self.activations[1],
                                 "ratio": ratio(self.activations)},
-                "peak": {"predicted": self.peak[0], "xla_total": self.peak[1], "ratio": ratio(self.peak)}}
+                "peak": {"predicted": self.peak[0], "xla_total": self.peak[1], "ratio": ratio(self.peak)},
+                "jax_explicit": [{"phase": ph, "kind": kind, "axes": list(axes), "plan": [pc, pb], "jax": [jc, jb],
+                                  "equal": (pc, pb) == (jc, jb)} for ph, kind, axes, pc, pb, jc, jb in self.jax_rows]}
+
+
+def traffic_rows(records: dict, log, mesh) -> list[tuple]:
+    """The plan's forward and backward records (``records``: phase -> records) beside JAX
+    explicit's (``log``: ``jaxpr_traffic``'s), by phase, kind and axes: rows of (phase, kind, axes,
+    plan count, plan bytes, JAX count, JAX bytes). A plan's layout permute names no axes (its
+    pairs name devices); JAX's runs over every axis of the mesh: it is counted under those. A part
+    of an axis is ``tp[part]`` on both sides (the plan's sub-axis ``tp.1``, JAX's prime atoms
+    ``tp#1``: which part, the record does not say). A sum over a group of one sends nothing and
+    is left out on both sides (XLA drops it; JAX's variance types and the plan each ask for some),
+    and so is a size-1 axis from a group's axes (JAX's sums leave it out, the plan's may name it)."""
+    whole = tuple(a for a in mesh.axis_names if mesh.axis_size(a) > 1)
+
+    def key(phase, r):
+        axes = whole if r.kind.value == "permute" and not r.axes else r.axes
+        axes = [a for a in axes if a.partition(".")[0].partition("#")[0] in whole]
+        return phase, r.kind.value, tuple(dict.fromkeys(_whole_or_part(a) for a in axes))
+
+    plan = [(ph, r) for ph in ("forward", "backward") for r in records.get(ph, ())]  # a recomputation's: backward
+    jax_ = [("backward" if r.backward else "forward", r) for r in log.entries]
+    sides: list[dict] = [{}, {}]
+    for side, entries in ((0, plan), (1, jax_)):
+        for phase, r in entries:
+            if r.kind.value != "local-slice" and (r.nbytes or r.kind.value == "permute"):
+                row = sides[side].setdefault(key(phase, r), [0, 0])
+                row[0] += 1
+                row[1] += r.nbytes
+    return [(*k, *sides[0].get(k, (0, 0)), *sides[1].get(k, (0, 0)))
+            for k in sorted(set(sides[0]) | set(sides[1]), key=lambda k: (k[0] != "forward", k[1:]))]
+
+
+def _whole_or_part(axis: str) -> str:
+    base = axis.partition(".")[0].partition("#")[0]
+    return base if base == axis else f"{base}[part]"
 
 
 def _by_kind(colls, device: int = 0) -> dict[str, list[int]]:
@@ -116,9 +161,10 @@ def check_plan(report, batch=None) -> PlanCheck:
         grads = session._grads.lower(session.state["params"], session._place_microbatches(batch),
                                      step_words(0)).compile()
         step = session._step.lower(session.state, *session._step_args(batch)).compile()
-        return grads.as_text(), grads.memory_analysis(), step.as_text(), step.memory_analysis()
+        return (grads.as_text(), grads.memory_analysis(), step.as_text(), step.memory_analysis(),
+                session.traffic(batch))
 
-    g_hlo, g_mem, s_hlo, s_mem = get_backend("jax").run(program, compile_both, batch)
+    g_hlo, g_mem, s_hlo, s_mem, traffic = get_backend("jax").run(program, compile_both, batch)
     n = program.mesh.size
     g_colls, s_colls = parse_collectives(g_hlo, n), parse_collectives(s_hlo, n)
     g, s = _by_kind(g_colls), _by_kind(s_colls)
@@ -127,7 +173,7 @@ def check_plan(report, batch=None) -> PlanCheck:
     if "all-reduce" in opt:  # the norm's partial sums are reported on their own line
         opt["all-reduce"][1] -= norm
 
-    out = PlanCheck(norm_bytes=norm)
+    out = PlanCheck(norm_bytes=norm, jax_rows=traffic_rows(report.records, traffic, program.mesh))
     for phase, plan_phases, xla in ((PHASES[0], ("forward", "backward"), g), (PHASES[1], ("optimizer",), opt)):
         plan: dict[str, list[int]] = {}
         for p in plan_phases:

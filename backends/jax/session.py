@@ -354,6 +354,18 @@ class JaxSession:
         """The optimized HLO of the compiled training step (benchmarks read its collectives)."""
         return self._step.lower(self.state, *self._step_args(batch)).compile().as_text()
 
+    def traffic(self, batch) -> CollectiveLog:
+        """Every collective device 0 runs in one ``loss_and_grads`` of JAX explicit, forward and
+        backward, read from the jaxpr it runs (backends/jax/jaxpr_traffic.py); traced, not run."""
+        from .jaxpr_traffic import jaxpr_traffic
+
+        if self.mode is not Mode.EXPLICIT:
+            raise ValueError(f"traffic: the {self.mode.value} session runs XLA's own collectives (GSPMD); their "
+                             f"jaxpr holds none. Read its compiled HLO instead (backends/jax/hlo.py)")
+        closed = jax.make_jaxpr(self._loss_and_grads)(self.state["params"], self._place_microbatches(batch),
+                                                      step_words(self.count))
+        return jaxpr_traffic(closed, self.atoms)
+
     def eval_loss(self, batch) -> float:
         return float(fetch(self._eval(self.state["params"], self._place_batch(batch), step_words(self.count))))
 
