@@ -446,9 +446,9 @@ def _plan_check(report, console: Console):
                   f"arguments + outputs - donated + temporary bytes) = {pp / xp:.3f}", soft_wrap=True)
     program = report.program
     if program.microbatches > 1:
-        console.print(f"with {program.microbatches} microbatches both sides count one: the plan one microbatch's "
-                      f"collectives, the HLO the accumulation loop's body once (it runs {program.microbatches} times)",
-                      soft_wrap=True)
+        console.print(f"with {program.microbatches} microbatches both sides count the whole step: the plan each "
+                      f"microbatch's forward and backward and the gradients' sums once, the HLO and the jaxpr the "
+                      f"accumulation loop's body {program.microbatches} times (its trip count)", soft_wrap=True)
     if program.remat.value != "none":
         console.print(f"remat {program.remat.value}: the plan counts the collectives torch's recomputation runs again "
                       f"(a layer's, up to its last op that keeps a tensor for the backward); XLA recomputes only what "

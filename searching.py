@@ -352,12 +352,20 @@ class Search:
         protos = {key: next(c for c in cands if self._unit_key(c, False) == key) for key in todo}
         jobs = [(protos[key], sorted(datas)) for key, datas in todo.items()]
         t0 = time.perf_counter()
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for key, (unit, traces) in zip(todo, pool.map(_trace_unit, [(self.model, self.batch, self.profile,
-                                                                           self.memory, self.backend, c, datas)
-                                                                          for c, datas in jobs])):
-                self.units[key] = unit
-                self.traces += traces
+        from concurrent.futures.process import BrokenProcessPool
+
+        from .core.session import MAIN_GUARD
+
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                for key, (unit, traces) in zip(todo, pool.map(_trace_unit, [(self.model, self.batch, self.profile,
+                                                                               self.memory, self.backend, c, datas)
+                                                                              for c, datas in jobs])):
+                    self.units[key] = unit
+                    self.traces += traces
+        except BrokenProcessPool:
+            raise RuntimeError(f"search(workers={workers}): a worker process died before returning; {MAIN_GUARD} "
+                               f"(or pass workers=1)") from None
         self.trace_seconds += time.perf_counter() - t0
 
     def _unit_key(self, c: Candidate, exact: bool) -> tuple:

@@ -102,6 +102,13 @@ class RunFailure(RuntimeError):
     """A run's process failed, died or timed out (the backend says which and why)."""
 
 
+# What a process that died before it started most likely means (torch's ranks, the search's workers).
+MAIN_GUARD = ("if it printed \"An attempt has been made to start a new process before the current process has "
+              "finished its bootstrapping phase\", the script starts parlay's processes at its top level: each "
+              "spawned process imports the script again and runs that line too. Put the call under "
+              "`if __name__ == \"__main__\":`")
+
+
 # -- what every executor-based session does the same way ----------------------------------------------
 
 class LossVaries(ValueError):

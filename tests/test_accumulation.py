@@ -83,7 +83,7 @@ def test_single_device_references_accumulate(backend):
 
 
 @pytest.mark.parametrize("backend, strategy, k", [
-    ("jax", "zero2", 2), ("jax", "fsdp", 4), ("jax-gspmd", "dp", 4), ("jax-gspmd", "fsdp", 2),
+    ("jax", "zero2", 2), ("jax", "fsdp", 4), ("jax", "dp", 4), ("jax-gspmd", "dp", 4), ("jax-gspmd", "fsdp", 2),
 ])
 def test_jax_microbatches_take_the_one_batch_step(backend, strategy, k):
     _assert_same_step(_result(backend, strategy, Mesh(dp=2), k), _reference())
@@ -154,6 +154,26 @@ def test_torch_reduces_gradients_once_per_step_whatever_k():
         assert counts[4] == counts[1], (strategy, counts)
         kind = Kind.ALL_REDUCE if strategy == "dp" else Kind.REDUCE_SCATTER
         assert sum(n for (kd, axes), n in counts[1].items() if kd is kind and axes == ("dp",)) >= 1, counts[1]
+
+
+def test_jax_explicit_sums_gradients_once_per_step_whatever_k():
+    # The same on JAX explicit: each parameter varies over dp once, before the microbatch loop,
+    # so its gradients add up on the device and are summed once after the last (read from the
+    # jaxpr the step runs: backends/jax/jaxpr_traffic.py). The forward's collectives run k times.
+    from parlay.core import Kind
+
+    def sums(k, strategy):
+        program = make_program(MODEL, strategy, Mesh(dp=2, tp=2), batch=B, microbatches=k, optimizer=OPT)
+        log = get_backend("jax").run(program, lambda session: session.traffic(BATCH))
+        return ({(e.kind, e.axes, e.nbytes) for e in log.entries if e.backward and e.axes == ("dp",)},
+                sum(e.backward for e in log.entries if e.axes == ("dp",)),
+                sum(not e.backward for e in log.entries if e.axes == ("tp",)))
+
+    for strategy in ("dp+tp", "zero2+tp_sp"):
+        (once, n1, fwd1), (four, n4, fwd4) = sums(1, strategy), sums(4, strategy)
+        assert once == four and n1 == n4 > 0, (strategy, n1, n4)
+        assert {kind for kind, _, _ in once} == {Kind.ALL_REDUCE}, once
+        assert fwd4 == 4 * fwd1 > 0, (strategy, fwd1, fwd4)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

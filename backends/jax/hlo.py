@@ -84,6 +84,9 @@ def _leaves(shape) -> list[_Leaf]:
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*")
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_CALLED = re.compile(r"\b(?P<how>body|condition|calls|to_apply|true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OPCODE = re.compile(r"\s*(?P<op>[a-z][\w\-]*)\(")
 
 
@@ -153,6 +156,7 @@ class Collective:
     operand_elems_by_name: tuple[int, ...] | None  # per operand, from the operands' own shapes
     itemsize: int
     per_device: dict[int, int] = field(default_factory=dict)  # bytes each device sends
+    trips: int = 1  # how many times it runs in one call of the program (a loop's body: its known trip count)
 
     @property
     def bytes(self) -> int:
@@ -197,7 +201,17 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
     """Every collective instruction in ``hlo`` (``-done`` halves skipped), costed per device."""
     shapes: dict[str, object] = {}
     found = []
+    calls: list[tuple[str, str, int]] = []  # (caller, callee, times per call of the caller)
+    where, entry = "", ""
     for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            where = head.group("name")
+            entry = where if head.group("entry") else entry
+            continue
+        for c in _CALLED.finditer(line):  # a while's body runs its known trip count times
+            trips = _TRIPS.search(line) if c.group("how") == "body" else None
+            calls.append((where, c.group("name"), int(trips.group(1)) if trips else 1))
         m = _INSTR.match(line)
         if not m:
             continue
@@ -217,10 +231,11 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
         if base not in _KINDS:
             continue
         args, end = _split_args(line, om.end() - 1)
-        found.append((name, op, _KINDS[base], shape, args, line[end:]))
+        found.append((name, op, _KINDS[base], shape, args, line[end:], where))
 
+    runs = _runs(entry, calls)
     out = []
-    for name, op, kind, shape, args, attrs in found:
+    for name, op, kind, shape, args, attrs, where in found:
         by_name = None
         arg_names = [re.sub(r"/\*.*?\*/", "", a).split()[-1].lstrip("%") for a in args]
         if all(a in shapes for a in arg_names):
@@ -244,8 +259,23 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
                 sent = sum(collective_bytes(kind, n, e, itemsize) for e in elems)
             members = sorted({d for g in groups for d in g}) if groups else range(num_devices)
             per_device = {d: sent for d in members} if n > 1 else {}
-        out.append(Collective(name, op, kind, n, tuple(elems), by_name, itemsize, per_device))
+        out.append(Collective(name, op, kind, n, tuple(elems), by_name, itemsize, per_device, runs.get(where, 1)))
     return out
+
+
+def _runs(entry: str, calls: list[tuple[str, str, int]]) -> dict[str, int]:
+    """How many times each computation runs in one call of ``entry``: a while's body its known
+    trip count times its caller's (1 where XLA does not know the count), any other callee as
+    often as its caller."""
+    runs = {entry: 1}
+    for _ in range(len(calls) + 1):  # callees may be printed before their callers
+        changed = False
+        for caller, callee, times in calls:
+            if caller in runs and runs.get(callee) != runs[caller] * times:
+                runs[callee], changed = runs[caller] * times, True
+        if not changed:
+            break
+    return runs
 
 
 def busiest_device_bytes(colls: Iterable[Collective]) -> int:

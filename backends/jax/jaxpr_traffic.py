@@ -6,7 +6,8 @@ before XLA optimizes anything: each ``lax`` collective an equation (``psum``, ``
 ``psum_scatter``, ``all_to_all``, ``ppermute``, ``pmax``) with its operands' shapes and its mesh
 axes. An equation is the backward's when JAX's name stack says it is a transpose
 (``transpose(jvp(...))``: the transposed ``shard_map``, with the recomputation of a remat
-layer); one inside a ``scan`` runs its trip count times.
+layer) or names the accumulated gradients' sums (``GRADIENT_SUMS``, after the last microbatch);
+one inside a ``scan`` runs its trip count times.
 
 The records are what torch's log writes for the same collective (backends/torch/collectives.py):
 rank 0's bytes in whole elements, the axes the mesh's (a prime atom ``tp#1`` of a split axis back
@@ -24,7 +25,9 @@ from ...core.log import CollectiveLog, Source, sent_bytes
 from ...core.steps import Kind
 from .mesh import AtomMesh
 
-__all__ = ["jaxpr_traffic"]
+__all__ = ["jaxpr_traffic", "GRADIENT_SUMS"]
+
+GRADIENT_SUMS = "gradient_sums"  # the name scope of accumulation's sums after the last microbatch: backward
 
 KINDS = {"psum": Kind.ALL_REDUCE, "psum_invariant": Kind.ALL_REDUCE, "pmax": Kind.ALL_REDUCE,
          "all_gather": Kind.ALL_GATHER, "all_gather_invariant": Kind.ALL_GATHER,
@@ -43,7 +46,8 @@ def _walk(jaxpr, atoms: AtomMesh, log: CollectiveLog, *, backward: bool, times: 
     sizes = dict(atoms.atom_axes)
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        back = backward or "transpose" in str(eqn.source_info.name_stack)
+        stack = str(eqn.source_info.name_stack)
+        back = backward or "transpose" in stack or GRADIENT_SUMS in stack
         if name in KINDS:
             names = eqn.params.get("axes", eqn.params.get("axis_name"))
             names = tuple(names) if isinstance(names, (tuple, list)) else (names,)

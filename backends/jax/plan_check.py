@@ -124,8 +124,8 @@ def _by_kind(colls, device: int = 0) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for c in colls:
         row = out.setdefault(c.kind.value, [0, 0])
-        row[0] += 1
-        row[1] += c.per_device.get(device, 0)
+        row[0] += c.trips
+        row[1] += c.trips * c.per_device.get(device, 0)
     return out
 
 
@@ -133,7 +133,7 @@ def _scalar_all_reduce_bytes(colls, device: int = 0) -> int:
     """Device ``device``'s bytes in all-reduces of one-element operands (norms' partial sums)."""
     from ...core import Kind, collective_bytes
 
-    return sum(collective_bytes(Kind.ALL_REDUCE, c.group_size, 1, c.itemsize) * c.operand_elems.count(1)
+    return sum(collective_bytes(Kind.ALL_REDUCE, c.group_size, 1, c.itemsize) * c.operand_elems.count(1) * c.trips
                for c in colls if c.kind is Kind.ALL_REDUCE and device in c.per_device)
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ...core import Layout
@@ -35,7 +36,8 @@ from ...core.remat import remat_loss
 from ...core.session import check_batch, in_order, input_values, make_executor, microbatches, scalar_loss, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
-from .comm import JaxComm
+from .comm import JaxComm, VarianceMismatch
+from .jaxpr_traffic import GRADIENT_SUMS
 from .distributed import fetch, put
 from .env import use_host_devices
 from .mesh import AtomMesh, lower_layout, lower_mesh
@@ -165,6 +167,7 @@ class JaxSession:
                  emit: Callable | None = None, devices=None):
         self.program, self.mode, self.seed, self._emit = program, Mode(mode), seed, emit
         self.log = CollectiveLog()  # explicit mode: the plan steps the traced step executed
+        self._sums: dict | None = None  # explicit mode: the axes each parameter's gradient sums over
         self.tx = make_optimizer(program.optimizer)
         self.scaler = LossScale.of(program.precision)  # fp16's dynamic loss scale (None: no scaling)
         if self.mode is Mode.SINGLE:
@@ -239,23 +242,76 @@ class JaxSession:
         """The whole forward in shard_map; every redistribution is a core plan on lax collectives.
         ``wrap_ops(ops)``, if given, wraps the executor (the bisect records every op through it)."""
         p, atoms = self.program if program is None else program, self.atoms
-
-        def local(params, batch, step, rows):
-            comm = JaxComm(atoms, self.log)
-            sp, sb = sharded_params(p, params), input_values(p, batch)
-            ops = make_executor(p, comm, sp, coalesce=False, training=training, step=step, seed=self.seed,
-                                rows=(rows[0], rows[1]))
-            if wrap_ops is not None:
-                return scalar_loss(ops, p.model.loss(wrap_ops(ops), sp, sb))
-            checkpoint = jax_checkpoint(p.remat) if training else None
-            return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sp, sb, checkpoint))
-
+        local = functools.partial(self._local_loss, p, training=training, wrap_ops=wrap_ops)
         spec = lambda role, k: atoms.spec(p.layouts[role][k])
         in_specs = ({k: spec(Role.PARAMS, k) for k in params}, {k: spec(Role.ACTIVATIONS, k) for k in batch},
                     PartitionSpec(), PartitionSpec())
         rows = jax.numpy.asarray(rows, jax.numpy.int32)
         return jax.shard_map(local, mesh=self.jax_mesh, in_specs=in_specs, out_specs=PartitionSpec())(
             params, batch, step, rows)
+
+    def _local_loss(self, p: Program, params, batch, step, rows, *, training=True, wrap_ops=None):
+        """One device's loss inside ``shard_map`` on the core executor (``JaxComm``)."""
+        comm = JaxComm(self.atoms, self.log)
+        sp, sb = sharded_params(p, params), input_values(p, batch)
+        ops = make_executor(p, comm, sp, coalesce=False, training=training, step=step, seed=self.seed,
+                            rows=(rows[0], rows[1]))
+        if wrap_ops is not None:
+            return scalar_loss(ops, p.model.loss(wrap_ops(ops), sp, sb))
+        checkpoint = jax_checkpoint(p.remat) if training else None
+        return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sp, sb, checkpoint))
+
+    def _summed_over(self) -> dict[str, tuple[str, ...]]:
+        """Each parameter whose gradient the executor sums over mesh axes where the parameter is
+        held whole (``vary``'s transpose: data parallelism's sum), by the one set of axes it sums
+        over, read from the microbatch program traced on shapes (the executor's own account). A
+        parameter summed over two different sets is left out (it keeps its sums per microbatch)."""
+        if self._sums is None:
+            from .memory import collective_traffic
+
+            sets: dict[str, set] = {}
+            for r in collective_traffic(self.program.micro).entries:
+                if r.backward and r.param:
+                    sets.setdefault(r.param, set()).add(frozenset(r.axes))
+            mesh = self.program.mesh
+            self._sums = {k: tuple(a for a in mesh.axis_names if a in next(iter(v)))
+                          for k, v in sets.items() if len(v) == 1}
+        return self._sums
+
+    def _accumulated(self, params, batch, step, training: bool, seed):
+        """JAX explicit's k microbatches in one ``shard_map``: each parameter made to vary over the
+        axes its gradient is summed over once, before the loop (``_summed_over``), so each
+        microbatch's gradient stays this device's partial one; the loop adds them up and the step
+        sums each once after the last, as torch's buckets do (DDP's ``no_sync``), not k times.
+        None where the executor's account disagrees with that (``VarianceMismatch``: a parameter
+        also used where it is not varied over those axes); the caller then sums per microbatch."""
+        p, atoms, k, jnp = self.program, self.atoms, self.program.microbatches, jax.numpy
+        micro, sums = p.micro, self._summed_over()
+
+        def local(params, batch, step):
+            varied = {n: lax.pcast(v, atoms.names(sums[n]), to="varying") if sums.get(n) else v
+                      for n, v in params.items()}
+
+            def one(carry, xs):
+                mb, i = xs
+                rows = jnp.stack([jnp.int32(k), i])
+                weighted = lambda ps: seed(self._local_loss(micro, ps, mb, step, rows, training=training) / k)
+                return jax.tree.map(jnp.add, carry, jax.value_and_grad(weighted)(varied)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, varied))
+            (loss, grads), _ = lax.scan(one, zeros, (batch, jnp.arange(k, dtype=jnp.int32)))
+            with jax.named_scope(GRADIENT_SUMS):  # the backward's last collectives (jaxpr_traffic reads it)
+                return loss, {n: lax.psum(g, atoms.names(sums[n])) if sums.get(n) else g for n, g in grads.items()}
+
+        pspec = {n: atoms.spec(p.layouts[Role.PARAMS][n]) for n in params}
+        bspec = {n: PartitionSpec(None, *atoms.spec(micro.layouts[Role.ACTIVATIONS][n])) for n in batch}
+        mark = len(self.log.entries)
+        try:
+            return jax.shard_map(local, mesh=self.jax_mesh, in_specs=(pspec, bspec, PartitionSpec()),
+                                 out_specs=(PartitionSpec(), pspec))(params, batch, step)
+        except VarianceMismatch:
+            del self.log.entries[mark:]
+            return None
 
     def _loss_and_grads(self, params, batch, step, training: bool = True, scale=None):
         """The loss and gradients; ``scale``: fp16's loss scale, the backward's seed (the gradients
@@ -264,6 +320,9 @@ class JaxSession:
         seed = (lambda loss: loss) if scale is None else (lambda loss: loss * scale)
         if k == 1:
             loss, grads = jax.value_and_grad(lambda *a: seed(self._loss(*a)))(params, batch, step, training)
+            loss = loss if scale is None else loss / scale
+        elif self.mode is Mode.EXPLICIT and (summed := self._accumulated(params, batch, step, training, seed)):
+            loss, grads = summed
             loss = loss if scale is None else loss / scale
         else:
             # Gradient accumulation: a scan over the stacked microbatches (one microbatch's

@@ -33,7 +33,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from ...core.session import RunFailure
+from ...core.session import MAIN_GUARD, RunFailure
 
 __all__ = ["spawn", "init_from_env", "RankFailure", "collective_timeout", "mark_progress", "stop_all"]
 
@@ -179,6 +179,8 @@ class _Watch:
     def dead(self, done) -> str | None:
         for r, p in enumerate(self.procs):
             if r not in done and not p.is_alive() and p.exitcode != 0:
+                if self.beats[r] == self.started and p.exitcode == 1:  # it never ran: see its error above
+                    return f"{_died(r, p.exitcode)}. It died before it started; {MAIN_GUARD}"
                 return _died(r, p.exitcode)
         return None
 
