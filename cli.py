@@ -454,10 +454,14 @@ def _plan_check(report, console: Console):
                       f"(a layer's, up to its last op that keeps a tensor for the backward); XLA recomputes only what "
                       f"the backward needs and can reuse a parameter gathered in the forward, so the HLO may hold fewer",
                       soft_wrap=True)
-    if program.microbatches > 1 and not check.jax_equal:
-        console.print(f"JAX explicit sums the parameters' gradients every microbatch ({program.microbatches} times; "
-                      f"README, 'Gradient accumulation'); the plan counts torch's, which wait for the last",
-                      soft_wrap=True)
+    acc = check.accumulation
+    if acc and not check.jax_equal:  # why JAX explicit's sums differ from torch's (README, 'Gradient accumulation')
+        why = [f"the step fell back to one sum per microbatch ({acc['fell_back']})"] if acc["fell_back"] else []
+        if acc["per_microbatch"] and not acc["fell_back"]:
+            why.append(f"{', '.join(acc['per_microbatch'])} (summed over two sets of axes) keep a sum per microbatch")
+        why.append("a parameter used twice is summed once per step in JAX, once per use in torch")
+        console.print(f"with {program.microbatches} microbatches JAX explicit sums each parameter's gradient once "
+                      f"after the last where it can; the plan counts torch's sums: " + "; ".join(why), soft_wrap=True)
     if program.precision.dtype == "bfloat16" and not check.equal:
         console.print("bf16: XLA's CPU backend has no bf16 collectives and sends them as float32 (twice the bytes); "
                       "the plan counts bf16, as a GPU sends them", soft_wrap=True)
@@ -470,7 +474,7 @@ def _plan_check(report, console: Console):
 def _jax_table(check, console: Console) -> None:
     """``--check``'s rows of the plan beside JAX explicit's jaxpr, by phase, kind and axes."""
     table = Table(title="the plan against JAX explicit's program (its jaxpr before XLA; forward and backward, rank 0 "
-                        "/ device 0; exactly)", title_justify="left")
+                        "/ device 0; count and bytes)", title_justify="left")
     for col in ("phase", "kind", "axes", "plan #", "plan bytes", "JAX #", "JAX bytes", "diff"):
         table.add_column(col, justify="left" if col in ("phase", "kind", "axes") else "right", no_wrap=True)
     for phase, kind, axes, pc, pb, jc, jb in check.jax_rows:

@@ -364,8 +364,8 @@ class Search:
                     self.units[key] = unit
                     self.traces += traces
         except BrokenProcessPool:
-            raise RuntimeError(f"search(workers={workers}): a worker process died before returning; {MAIN_GUARD} "
-                               f"(or pass workers=1)") from None
+            raise RuntimeError(f"search(workers={workers}): a worker process died before returning (killed: out of "
+                               f"memory? fewer workers need less); {MAIN_GUARD} (or pass workers=1)") from None
         self.trace_seconds += time.perf_counter() - t0
 
     def _unit_key(self, c: Candidate, exact: bool) -> tuple:

@@ -106,7 +106,9 @@ class RunFailure(RuntimeError):
 MAIN_GUARD = ("if it printed \"An attempt has been made to start a new process before the current process has "
               "finished its bootstrapping phase\", the script starts parlay's processes at its top level: each "
               "spawned process imports the script again and runs that line too. Put the call under "
-              "`if __name__ == \"__main__\":`")
+              "`if __name__ == \"__main__\":`. If it printed \"Can't get attribute ... on <module '__main__'>\", "
+              "the function it runs is defined where a spawned process cannot import it (a notebook, `python -c`): "
+              "define it in a module file")
 
 
 # -- what every executor-based session does the same way ----------------------------------------------

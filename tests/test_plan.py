@@ -105,6 +105,28 @@ def test_the_plan_is_what_jax_explicit_runs():
         assert not _differ(_jax_rows(program, batch)), (strategy, _differ(_jax_rows(program, batch)))
 
 
+def test_the_backward_is_read_from_jaxs_transpose_not_from_a_scopes_name():
+    # A user's scope named "transpose_heads" around a forward collective stays forward; the
+    # gradient of a value made to vary (pcast) is the backward's sum.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from parlay.backends.jax.jaxpr_traffic import jaxpr_traffic
+    from parlay.backends.jax.mesh import AtomMesh
+
+    atoms = AtomMesh(Mesh(dp=2))
+
+    def local(x, w):
+        with jax.named_scope("transpose_heads"):
+            return jax.lax.psum(x * jax.lax.pcast(w, ("dp",), to="varying"), "dp")
+
+    f = jax.shard_map(local, mesh=atoms.jax_mesh(None), in_specs=(P("dp"), P()), out_specs=P())
+    closed = jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).sum(), argnums=1))(jnp.ones(4), jnp.ones(2))
+    assert [(e.kind.value, e.axes, e.nbytes, e.backward) for e in jaxpr_traffic(closed, atoms).entries] == [
+        ("all-reduce", ("dp",), 8, False), ("all-reduce", ("dp",), 8, True)]
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=cases())
 def test_the_plan_is_what_jax_explicit_runs_on_random_rule_sets(case):

@@ -44,7 +44,8 @@ def test_microbatches_count_the_whole_step_on_both_sides():
     """k microbatches: the plan counts each one's forward and backward and the gradients' sums
     once; the HLO's accumulation loop runs its body its known trip count times, the sums after it
     (JAX explicit varies each parameter once, before the loop). Before the trip count was read,
-    the HLO side counted the body once: 313,156 bytes against the plan's 510,344 on dp=2 x tp=4."""
+    the HLO side counted the body once (dp=2 x tp=4, k=2: 313,156 bytes against the plan's 510,344);
+    here dp=2 x tp=2, k=4."""
     check = _check("dp+tp", dict(dp=2, tp=2), microbatches=4)
     assert check.equal and check.jax_equal, (check.rows, check.jax_rows)
     (row,) = [r for r in check.rows if r.kind == "all-reduce"]

@@ -200,7 +200,7 @@ def test_a_spinning_rank_is_named_not_the_one_waiting_for_it():
 @pytest.mark.parametrize("call, error", [
     ("from parlay.backends.torch.launch import spawn\n"
      "def work(rank):\n    return rank\n"
-     "spawn(work, 2, timeout_s=30)", "RankFailure: rank 0 exited with code 1 before returning"),
+     "spawn(work, 2, timeout_s=30)", "exited with code 1 before returning; stopped the other ranks. It exited before"),
     ("from parlay.core.models.gpt import GPT, PRESETS\nfrom parlay.searching import search\n"
      "search(GPT(PRESETS['tiny']), 8, 8, 'cpu', workers=2)", "RuntimeError: search(workers=2): a worker process died"),
 ])
@@ -213,8 +213,9 @@ def test_a_script_without_a_main_guard_gets_one_clear_error(tmp_path, call, erro
     start = time.monotonic()
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and time.monotonic() - start < 60
-    last = done.stderr.strip().splitlines()[-1]
-    assert error in last and 'if __name__ == "__main__":' in last, done.stderr[-2000:]
+    # the error is the script's last word (a resource_tracker warning about the dead workers' semaphores may follow)
+    assert any(error in line and 'if __name__ == "__main__":' in line for line in done.stderr.splitlines()), \
+        done.stderr[-2000:]
 
 
 def test_the_lock_is_exclusive_across_processes_and_dies_with_its_holder(tmp_path):

@@ -86,6 +86,7 @@ def _leaves(shape) -> list[_Leaf]:
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*")
 _COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
 _CALLED = re.compile(r"\b(?P<how>body|condition|calls|to_apply|true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{(?P<names>[^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OPCODE = re.compile(r"\s*(?P<op>[a-z][\w\-]*)\(")
 
@@ -212,6 +213,8 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
         for c in _CALLED.finditer(line):  # a while's body runs its known trip count times
             trips = _TRIPS.search(line) if c.group("how") == "body" else None
             calls.append((where, c.group("name"), int(trips.group(1)) if trips else 1))
+        for b in _BRANCHES.finditer(line):  # a conditional's branches: each counted as if it ran (a bound)
+            calls += [(where, n.strip().lstrip("%"), 1) for n in b.group("names").split(",") if n.strip()]
         m = _INSTR.match(line)
         if not m:
             continue
@@ -265,16 +268,17 @@ def parse_collectives(hlo: str, num_devices: int) -> list[Collective]:
 
 def _runs(entry: str, calls: list[tuple[str, str, int]]) -> dict[str, int]:
     """How many times each computation runs in one call of ``entry``: a while's body its known
-    trip count times its caller's (1 where XLA does not know the count), any other callee as
-    often as its caller."""
+    trip count times per run of its caller (1 where XLA does not know the count), any other callee
+    once per run of each caller, summed over its callers."""
     runs = {entry: 1}
-    for _ in range(len(calls) + 1):  # callees may be printed before their callers
-        changed = False
+    for _ in range(len(calls) + 1):  # callees may be printed before their callers: to a fixed point
+        new = {entry: 1}
         for caller, callee, times in calls:
-            if caller in runs and runs.get(callee) != runs[caller] * times:
-                runs[callee], changed = runs[caller] * times, True
-        if not changed:
+            if caller in runs and callee != entry:
+                new[callee] = new.get(callee, 0) + runs[caller] * times
+        if new == runs:
             break
+        runs = new
     return runs
 
 

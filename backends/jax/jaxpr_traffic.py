@@ -46,8 +46,7 @@ def _walk(jaxpr, atoms: AtomMesh, log: CollectiveLog, *, backward: bool, times: 
     sizes = dict(atoms.atom_axes)
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        stack = str(eqn.source_info.name_stack)
-        back = backward or "transpose" in stack or GRADIENT_SUMS in stack
+        back = backward or _is_backward(eqn.source_info.name_stack)
         if name in KINDS:
             names = eqn.params.get("axes", eqn.params.get("axis_name"))
             names = tuple(names) if isinstance(names, (tuple, list)) else (names,)
@@ -82,6 +81,15 @@ def _walk(jaxpr, atoms: AtomMesh, log: CollectiveLog, *, backward: bool, times: 
         trips = eqn.params["length"] if name == "scan" else 1
         for inner in _inner(eqn):
             _walk(inner, atoms, log, backward=back, times=times * trips)
+
+
+def _is_backward(name_stack) -> bool:
+    """JAX's transpose transform on the name stack, or the accumulated sums' scope (by its entries,
+    not its text: a user's function or scope may have "transpose" in its name)."""
+    from jax._src.source_info_util import Scope, Transform
+
+    return any((isinstance(e, Transform) and e.name == "transpose") or (isinstance(e, Scope) and e.name == GRADIENT_SUMS)
+               for e in getattr(name_stack, "stack", ()))
 
 
 def _inner(eqn):

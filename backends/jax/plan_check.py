@@ -67,6 +67,8 @@ class PlanCheck:
     peak: tuple[int, int] = (0, 0)  # (predicted, XLA's total for the step)
     # the plan's forward and backward beside JAX explicit's jaxpr (``traffic_rows``): exactly
     jax_rows: list[tuple] = field(default_factory=list)
+    # k microbatches: the parameters JAX explicit sums per microbatch, and why a step fell back to that
+    accumulation: dict | None = None
 
     @property
     def equal(self) -> bool:
@@ -148,9 +150,9 @@ def check_plan(report, batch=None) -> PlanCheck:
 
     program: Program = report.program
     if program.pipeline is not None:
-        raise ValueError(f"--check compiles one step without a pipeline; {program.strategy.name!r} runs pp (the "
-                         f"compiled tick loop's collectives sit inside a loop whose trips the HLO count does not "
-                         f"give): check the layout without pp; its plan is checked against torch's log instead")
+        raise ValueError(f"--check compiles one step without a pipeline; {program.strategy.name!r} runs pp (in the "
+                         f"compiled tick loop each pp rank runs its own branch each tick, which neither the HLO nor "
+                         f"the jaxpr says): check the layout without pp; its plan is checked against torch's log instead")
     memory = memory_report(program, "jax")  # what JAX keeps (torch's autograd keeps other values)
     if memory.activations is None:
         raise ValueError(f"--check needs the plan's memory prediction: {memory.detail}")
@@ -162,9 +164,9 @@ def check_plan(report, batch=None) -> PlanCheck:
                                      step_words(0)).compile()
         step = session._step.lower(session.state, *session._step_args(batch)).compile()
         return (grads.as_text(), grads.memory_analysis(), step.as_text(), step.memory_analysis(),
-                session.traffic(batch))
+                session.traffic(batch), dict(session.accumulation))
 
-    g_hlo, g_mem, s_hlo, s_mem, traffic = get_backend("jax").run(program, compile_both, batch)
+    g_hlo, g_mem, s_hlo, s_mem, traffic, accumulation = get_backend("jax").run(program, compile_both, batch)
     n = program.mesh.size
     g_colls, s_colls = parse_collectives(g_hlo, n), parse_collectives(s_hlo, n)
     g, s = _by_kind(g_colls), _by_kind(s_colls)
@@ -173,7 +175,8 @@ def check_plan(report, batch=None) -> PlanCheck:
     if "all-reduce" in opt:  # the norm's partial sums are reported on their own line
         opt["all-reduce"][1] -= norm
 
-    out = PlanCheck(norm_bytes=norm, jax_rows=traffic_rows(report.records, traffic, program.mesh))
+    out = PlanCheck(norm_bytes=norm, jax_rows=traffic_rows(report.records, traffic, program.mesh),
+                    accumulation=accumulation if program.microbatches > 1 else None)
     for phase, plan_phases, xla in ((PHASES[0], ("forward", "backward"), g), (PHASES[1], ("optimizer",), opt)):
         plan: dict[str, list[int]] = {}
         for p in plan_phases:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import warnings
 from typing import Any, Callable, Mapping
 
 import jax
@@ -36,7 +37,7 @@ from ...core.remat import remat_loss
 from ...core.session import check_batch, in_order, input_values, make_executor, microbatches, scalar_loss, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
-from .comm import JaxComm, VarianceMismatch
+from .comm import JaxComm, VarianceMismatch, _vma
 from .jaxpr_traffic import GRADIENT_SUMS
 from .distributed import fetch, put
 from .env import use_host_devices
@@ -168,6 +169,8 @@ class JaxSession:
         self.program, self.mode, self.seed, self._emit = program, Mode(mode), seed, emit
         self.log = CollectiveLog()  # explicit mode: the plan steps the traced step executed
         self._sums: dict | None = None  # explicit mode: the axes each parameter's gradient sums over
+        # explicit mode, k microbatches: the parameters summed per microbatch, and why a step fell back to that
+        self.accumulation: dict = {"per_microbatch": [], "fell_back": None}
         self.tx = make_optimizer(program.optimizer)
         self.scaler = LossScale.of(program.precision)  # fp16's dynamic loss scale (None: no scaling)
         if self.mode is Mode.SINGLE:
@@ -262,10 +265,12 @@ class JaxSession:
         return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sp, sb, checkpoint))
 
     def _summed_over(self) -> dict[str, tuple[str, ...]]:
-        """Each parameter whose gradient the executor sums over mesh axes where the parameter is
-        held whole (``vary``'s transpose: data parallelism's sum), by the one set of axes it sums
-        over, read from the microbatch program traced on shapes (the executor's own account). A
-        parameter summed over two different sets is left out (it keeps its sums per microbatch)."""
+        """Each parameter whose gradient the executor sums over mesh axes it is replicated over
+        (``vary``'s transpose: data parallelism's sum, or a tensor-parallel one of a replicated
+        norm weight), by the one set of axes it sums over, read from the microbatch program
+        traced on shapes (the executor's own account; a trace of the model's shapes, once per
+        session). A parameter summed over two different sets keeps its sums per microbatch
+        (``accumulation["per_microbatch"]``)."""
         if self._sums is None:
             from .memory import collective_traffic
 
@@ -276,6 +281,7 @@ class JaxSession:
             mesh = self.program.mesh
             self._sums = {k: tuple(a for a in mesh.axis_names if a in next(iter(v)))
                           for k, v in sets.items() if len(v) == 1}
+            self.accumulation["per_microbatch"] = sorted(k for k, v in sets.items() if len(v) > 1)
         return self._sums
 
     def _accumulated(self, params, batch, step, training: bool, seed):
@@ -288,9 +294,12 @@ class JaxSession:
         p, atoms, k, jnp = self.program, self.atoms, self.program.microbatches, jax.numpy
         micro, sums = p.micro, self._summed_over()
 
+        def vary(v, axes):
+            names = tuple(a for a in atoms.names(axes) if a not in _vma(v))
+            return lax.pcast(v, names, to="varying") if names else v
+
         def local(params, batch, step):
-            varied = {n: lax.pcast(v, atoms.names(sums[n]), to="varying") if sums.get(n) else v
-                      for n, v in params.items()}
+            varied = {n: vary(v, sums[n]) if sums.get(n) else v for n, v in params.items()}
 
             def one(carry, xs):
                 mb, i = xs
@@ -309,8 +318,12 @@ class JaxSession:
         try:
             return jax.shard_map(local, mesh=self.jax_mesh, in_specs=(pspec, bspec, PartitionSpec()),
                                  out_specs=(PartitionSpec(), pspec))(params, batch, step)
-        except VarianceMismatch:
+        except VarianceMismatch as e:
             del self.log.entries[mark:]
+            self.accumulation["fell_back"] = str(e)
+            warnings.warn(f"JAX explicit sums each parameter's gradient every microbatch in this step ({k} times the "
+                          f"bytes of one sum): varying the parameters once before the microbatch loop disagrees with "
+                          f"the executor's account ({e})", stacklevel=2)
             return None
 
     def _loss_and_grads(self, params, batch, step, training: bool = True, scale=None):
@@ -321,7 +334,8 @@ class JaxSession:
         if k == 1:
             loss, grads = jax.value_and_grad(lambda *a: seed(self._loss(*a)))(params, batch, step, training)
             loss = loss if scale is None else loss / scale
-        elif self.mode is Mode.EXPLICIT and (summed := self._accumulated(params, batch, step, training, seed)):
+        elif self.mode is Mode.EXPLICIT and (summed := self._accumulated(params, batch, step, training,
+                                                                          seed)) is not None:
             loss, grads = summed
             loss = loss if scale is None else loss / scale
         else:
@@ -418,6 +432,8 @@ class JaxSession:
         backward, read from the jaxpr it runs (backends/jax/jaxpr_traffic.py); traced, not run."""
         from .jaxpr_traffic import jaxpr_traffic
 
+        if self.mode is Mode.SINGLE:
+            raise ValueError("traffic: the single-device session runs no collectives")
         if self.mode is not Mode.EXPLICIT:
             raise ValueError(f"traffic: the {self.mode.value} session runs XLA's own collectives (GSPMD); their "
                              f"jaxpr holds none. Read its compiled HLO instead (backends/jax/hlo.py)")

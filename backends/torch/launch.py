@@ -180,7 +180,7 @@ class _Watch:
         for r, p in enumerate(self.procs):
             if r not in done and not p.is_alive() and p.exitcode != 0:
                 if self.beats[r] == self.started and p.exitcode == 1:  # it never ran: see its error above
-                    return f"{_died(r, p.exitcode)}. It died before it started; {MAIN_GUARD}"
+                    return f"{_died(r, p.exitcode)}. It exited before it began to run; {MAIN_GUARD}"
                 return _died(r, p.exitcode)
         return None
 

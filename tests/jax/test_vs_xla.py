@@ -130,6 +130,53 @@ def test_parser_on_synthetic_hlo():
     assert bench.busiest_device_bytes(colls) == others + 4096
 
 
+_LOOP_HLO = """\
+HloModule loops, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner (q: f32[64]) -> f32[64] {
+  %q = f32[64]{0} parameter(0)
+  ROOT %ar2 = f32[64]{0} all-reduce(%q), channel_id=2, replica_groups=[1,4]<=[4], to_apply=%add
+}
+
+%cond (c: (s32[], f32[64])) -> pred[] {
+  %c = (s32[], f32[64]{0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+%body (t: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %t = (s32[], f32[64]{0}) parameter(0)
+  %v = f32[64]{0} get-tuple-element(%t), index=1
+  %ar1 = f32[64]{0} all-reduce(%v), channel_id=1, replica_groups=[1,4]<=[4], to_apply=%add
+  %in = f32[64]{0} call(%ar1), to_apply=%inner
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %o = (s32[], f32[64]{0}) tuple(%i, %in)
+}
+
+ENTRY %main (x: f32[64]) -> f32[64] {
+  %x = f32[64]{0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[64]{0}) tuple(%z, %x)
+  %w = (s32[], f32[64]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %r = f32[64]{0} get-tuple-element(%w), index=1
+  %once = f32[64]{0} call(%r), to_apply=%inner
+  ROOT %ar3 = f32[64]{0} all-reduce(%once), channel_id=3, replica_groups=[1,4]<=[4], to_apply=%add
+}
+"""
+
+
+def test_a_loop_body_counts_its_trip_count():
+    """A while's body runs its known trip count times; a computation called from the body and
+    from the entry runs as often as all its callers together (3 + 1)."""
+    trips = {c.name: c.trips for c in bench.parse_collectives(_LOOP_HLO, 4)}
+    assert trips == {"ar2": 4, "ar1": 3, "ar3": 1}
+
+
 # -- (b), (c): parlay never sends more than XLA -------------------------------------------------
 
 def _check(pair):
