@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import jax
+from jax._src.source_info_util import Scope, Transform
 
 from ...core.log import CollectiveLog, Source, sent_bytes
 from ...core.steps import Kind
@@ -86,8 +87,6 @@ def _walk(jaxpr, atoms: AtomMesh, log: CollectiveLog, *, backward: bool, times: 
 def _is_backward(name_stack) -> bool:
     """JAX's transpose transform on the name stack, or the accumulated sums' scope (by its entries,
     not its text: a user's function or scope may have "transpose" in its name)."""
-    from jax._src.source_info_util import Scope, Transform
-
     return any((isinstance(e, Transform) and e.name == "transpose") or (isinstance(e, Scope) and e.name == GRADIENT_SUMS)
                for e in getattr(name_stack, "stack", ()))
 

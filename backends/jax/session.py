@@ -37,7 +37,7 @@ from ...core.remat import remat_loss
 from ...core.session import check_batch, in_order, input_values, make_executor, microbatches, scalar_loss, sharded_params
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
-from .comm import JaxComm, VarianceMismatch, _vma
+from .comm import JaxComm, VarianceMismatch
 from .jaxpr_traffic import GRADIENT_SUMS
 from .distributed import fetch, put
 from .env import use_host_devices
@@ -294,12 +294,9 @@ class JaxSession:
         p, atoms, k, jnp = self.program, self.atoms, self.program.microbatches, jax.numpy
         micro, sums = p.micro, self._summed_over()
 
-        def vary(v, axes):
-            names = tuple(a for a in atoms.names(axes) if a not in _vma(v))
-            return lax.pcast(v, names, to="varying") if names else v
-
         def local(params, batch, step):
-            varied = {n: vary(v, sums[n]) if sums.get(n) else v for n, v in params.items()}
+            comm = JaxComm(atoms)  # its ``vary``: a pcast over the atoms ``v`` does not vary over yet
+            varied = {n: comm.vary(v, sums[n]) if sums.get(n) else v for n, v in params.items()}
 
             def one(carry, xs):
                 mb, i = xs
