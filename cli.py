@@ -424,28 +424,36 @@ def _plan_check(report, console: Console):
         check = get_backend("jax").check_plan(report)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    table = Table(title="the plan against XLA's compiled step (JAX explicit, this machine; bytes rank 0 / device 0 "
-                        "sends)", title_justify="left")
-    for col in ("phase", "kind", "plan #", "plan bytes", "HLO #", "HLO bytes", "diff"):
-        table.add_column(col, justify="left" if col in ("phase", "kind") else "right", no_wrap=True)
-    for r in check.rows:
-        verdict = "equal" if r.equal else f"{r.xla_bytes - r.plan_bytes:+,}"
-        table.add_row(r.phase, r.kind, str(r.plan_count), f"{r.plan_bytes:,}", str(r.xla_count), f"{r.xla_bytes:,}",
-                      verdict, style=None if r.equal else "yellow")
-    console.print(table)
+    program = report.program
+    if check.hlo:
+        table = Table(title="the plan against XLA's compiled step (JAX explicit, this machine; bytes rank 0 / device "
+                            "0 sends)", title_justify="left")
+        for col in ("phase", "kind", "plan #", "plan bytes", "HLO #", "HLO bytes", "diff"):
+            table.add_column(col, justify="left" if col in ("phase", "kind") else "right", no_wrap=True)
+        for r in check.rows:
+            verdict = "equal" if r.equal else f"{r.xla_bytes - r.plan_bytes:+,}"
+            table.add_row(r.phase, r.kind, str(r.plan_count), f"{r.plan_bytes:,}", str(r.xla_count),
+                          f"{r.xla_bytes:,}", verdict, style=None if r.equal else "yellow")
+        console.print(table)
+    else:
+        console.print(f"a pipeline runs as JAX's tick loop: each device runs the branch its table row names each tick, "
+                      f"which the HLO does not say, so its collectives are not compared with the HLO's; the jaxpr is "
+                      f"read told pp rank 0's row, against the plan of JAX's loop (parlay plan --backend jax: each "
+                      f"backward piece runs its stage's forward again; each gradient summed once a step)",
+                      soft_wrap=True)
     _jax_table(check, console)
-    norm = (f"XLA all-reduces {check.norm_bytes:,} bytes of float32 partial sums, one per sharded parameter"
-            if check.norm_bytes else "XLA needs none (no parameter is sharded)")
-    console.print("equal: within 4 bytes a plan record + 1 an HLO instruction (the ring formula's rounding); counts "
-                  "differ where XLA combines collectives of one group into one instruction. Left out of the rows, "
-                  f"the clip norm: the plan states torch's one float64 all-reduce ({NORM_BYTES} bytes); {norm}.",
-                  soft_wrap=True)
+    if check.hlo:
+        norm = (f"XLA all-reduces {check.norm_bytes:,} bytes of float32 partial sums, one per sharded parameter"
+                if check.norm_bytes else "XLA needs none (no parameter is sharded)")
+        console.print("equal: within 4 bytes a plan record + 1 an HLO instruction (the ring formula's rounding); "
+                      "counts differ where XLA combines collectives of one group into one instruction. Left out of "
+                      f"the rows, the clip norm: the plan states torch's one float64 all-reduce ({NORM_BYTES} bytes); "
+                      f"{norm}.", soft_wrap=True)
     (pa, xa), (pp, xp) = check.activations, check.peak
     console.print(f"memory, predicted / XLA: activations kept for the backward {_size(pa)} / {_size(xa)} (the "
                   f"gradient function's temporary bytes) = {pa / xa:.3f}; peak {_size(pp)} / {_size(xp)} (the step's "
                   f"arguments + outputs - donated + temporary bytes) = {pp / xp:.3f}", soft_wrap=True)
-    program = report.program
-    if program.microbatches > 1:
+    if program.microbatches > 1 and program.pipeline is None:
         console.print(f"with {program.microbatches} microbatches both sides count the whole step: the plan each "
                       f"microbatch's forward and backward and the gradients' sums once, the HLO and the jaxpr the "
                       f"accumulation loop's body {program.microbatches} times (its trip count)", soft_wrap=True)
@@ -455,7 +463,14 @@ def _plan_check(report, console: Console):
                       f"the backward needs and can reuse a parameter gathered in the forward, so the HLO may hold fewer",
                       soft_wrap=True)
     acc = check.accumulation
-    if acc and not check.jax_equal:  # why JAX explicit's sums differ from torch's (README, 'Gradient accumulation')
+    if acc and not check.jax_equal and program.pipeline is not None:
+        why = [f"the loop fell back to a sum in every backward piece ({acc['fell_back']})"] if acc["fell_back"] else []
+        if acc["per_microbatch"] and not acc["fell_back"]:
+            why.append(f"{', '.join(acc['per_microbatch'])} (summed over two sets of axes, or over other axes on "
+                       f"another stage) keep a sum in every backward piece")
+        console.print("JAX's tick loop sums each gradient once a step after the loop where it can; the plan of it "
+                      "counts that" + (": " + "; ".join(why) if why else ""), soft_wrap=True)
+    elif acc and not check.jax_equal:  # why JAX explicit's sums differ from torch's (README, 'Gradient accumulation')
         why = [f"the step fell back to one sum per microbatch ({acc['fell_back']})"] if acc["fell_back"] else []
         if acc["per_microbatch"] and not acc["fell_back"]:
             why.append(f"{', '.join(acc['per_microbatch'])} (summed over two sets of axes) keep a sum per microbatch")
@@ -465,6 +480,8 @@ def _plan_check(report, console: Console):
     if program.precision.dtype == "bfloat16" and not check.equal:
         console.print("bf16: XLA's CPU backend has no bf16 collectives and sends them as float32 (twice the bytes); "
                       "the plan counts bf16, as a GPU sends them", soft_wrap=True)
+    if not check.hlo and not check.jax_equal:
+        console.print("the plan of JAX's loop and its jaxpr differ in the rows marked", style="yellow", soft_wrap=True)
     if not check.equal:
         console.print("the plan and XLA move different bytes in the rows marked: README, 'Checking a plan against "
                       "XLA', says which differences are known and why", style="yellow", soft_wrap=True)
@@ -936,14 +953,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --devices: the memory of one device a layout must fit in (default: the profile's)")
     pl.add_argument("--top", type=int, default=5, metavar="K", help="with --devices: how many layouts to print")
     pl.add_argument("--backend", choices=("torch", "jax"), default="torch",
-                    help="whose pipeline stash the memory counts (torch keeps each in-flight microbatch's graph)")
+                    help="whose pipeline the plan counts: torch keeps each in-flight microbatch's graph; JAX's tick "
+                         "loop keeps each stage's input and runs the stage's forward again in each backward piece")
     pl.add_argument("--profile", default=None, choices=sorted(PROFILES),
                     help="predict the step's time on this hardware (core/cost.py: h100, h200, a100 nodes of 8 with "
                          "InfiniBand between them; cpu: this machine's 8 fake JAX devices)")
     pl.add_argument("--check", action="store_true",
                     help="also compile the step on this machine's JAX devices (explicit mode, nothing runs) and put "
-                         "the plan beside XLA: collective bytes by kind against the optimized HLO's, activations "
-                         "and peak against memory_analysis()")
+                         "the plan beside XLA: collective bytes by kind against the optimized HLO's (not under a "
+                         "pipeline), every collective against JAX explicit's jaxpr, activations and peak against "
+                         "memory_analysis()")
     pl.add_argument("--json", default=None, help="write the report here")
     pl.set_defaults(run=_cmd_plan)
     e = sub.add_parser("export-hf", help="a parlay checkpoint as a Hugging Face folder (GPT-2 or LLaMA)",

@@ -103,7 +103,8 @@ def plan_report(program: Program, backend: str = "torch") -> PlanReport:
     run once (torch's gradient buckets). Under a pipeline, rank 0 runs its own stages' collectives
     (each stage traced as the torch backend runs it), sends each microbatch's stage output to the
     next pp rank and its input gradient to the previous one, sums the gradients of parameters
-    held by several pp ranks (a tied table) over pp, and steps its own parameters."""
+    held by several pp ranks (a tied table) over pp, and steps its own parameters; on ``jax``,
+    as JAX's tick loop runs it (``_pipeline_records``)."""
     from .core.schedule import simulate_schedule
     from .core.session import get_backend
 
@@ -116,9 +117,10 @@ def plan_report(program: Program, backend: str = "torch") -> PlanReport:
     tracer = get_backend("jax-single")
     if program.pipeline is not None:
         report.bubble = simulate_schedule(program.pipeline.schedule).bubble
-        forward, backward = _pipeline_records(program, tracer)
-        report.note = ("the loss's mean over pp (one float64 all-reduce, as the clip norm's) is not counted; a "
-                       "pipeline's time is the search's (parlay plan --devices), not predicted here")
+        forward, backward = _pipeline_records(program, tracer, backend=backend)
+        mean = "one float32 all-reduce" if backend == "jax" else "one float64 all-reduce, as the clip norm's"
+        report.note = (f"the loss's mean over pp ({mean}) is not counted; a pipeline's time is the search's (parlay "
+                       f"plan --devices), not predicted here")
     else:
         traced, flops, written = tracer.trace_step(program)
         report.flops, report.written = m * flops, Written(m * written.ops, m * written.kernels)
@@ -141,8 +143,16 @@ def _repeated(records, m: int) -> tuple[list, list]:
     return [r for r in each if not (r.backward or r.again)] * m, [r for r in each if r.backward or r.again] * m + once
 
 
-def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list, list]:
-    """(forward, backward) records of pp rank ``pp_rank``'s stages in one step, sends included."""
+def _pipeline_records(program: Program, tracer, pp_rank: int = 0, backend: str = "torch") -> tuple[list, list]:
+    """(forward, backward) records of pp rank ``pp_rank``'s stages in one step, sends included.
+
+    torch keeps each forward's graph, so a backward piece runs only the backward's collectives.
+    JAX's tick loop (backends/jax/ticks.py) keeps only a stage's input: each backward piece (B, or
+    I and W) runs the stage's forward again under ``jax.vjp``, so its collectives too, in the
+    backward; and it sums each parameter's gradient once a step after the loop (torch once a
+    stage), a tied table's block as the parameters are laid out (torch: the gradient bucket's). A
+    parameter the executor sums over two sets of axes is summed per piece in the loop (its
+    ``accumulation["per_microbatch"]``); this counts it once a step, so the check shows it."""
     from collections import Counter
 
     from .core.log import Source
@@ -152,7 +162,8 @@ def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list,
     sc, p, lay = pipe.schedule, program.micro, program.layouts
     shape, dims = p.model.residual(p.batch)
     x_bytes = math.prod(p.activation(dims, shape).local_shape(tuple(shape))) * p.precision.compute_itemsize
-    forward, backward = [], []
+    loop = backend == "jax"
+    forward, backward, once = [], [], {}
     for stage in sc.stages_of(pp_rank):
         runs = Counter(a.op for a in sc.actions[pp_rank] if a.stage == stage)  # m F, and m B or m (I, W)
         whole = tracer.trace_stage(program, stage).entries
@@ -160,7 +171,13 @@ def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list,
         bwd, summed = [], False
         for op in (Op.B, Op.I, Op.W):  # each pass with the recomputation it runs (``again``)
             if runs[op]:
-                entries = whole if op is Op.B else tracer.trace_stage(program, stage, op.value).entries
+                entries = _sent(whole if op is Op.B else tracer.trace_stage(program, stage, op.value).entries)
+                if loop:  # the stage's forward again, then its backward; each parameter's sums once a step
+                    bwd += [r for r in entries if not r.param] * runs[op]
+                    for r in entries:
+                        if r.param:
+                            once.setdefault((r.param, r.axes), r)
+                    continue
                 each = [r for r in entries if (r.backward or r.again) and not (summed and r.param)]  # sums: once
                 bwd += _repeated(each, runs[op])[1]
                 summed = summed or any(r.param for r in each)
@@ -172,8 +189,9 @@ def _pipeline_records(program: Program, tracer, pp_rank: int = 0) -> tuple[list,
             bwd += [CollectiveRecord(Kind.PERMUTE, (pipe.axis,), x_bytes, True, Source.P2P, p.precision.compute,
                                      where)] * m
         forward, backward = forward + fwd, backward + bwd
+    backward += list(once.values())
     for k in pipe.shared_params:  # every pp rank joins the sum (those without the table add zeros)
-        layout = lay[Role.GRADS][k]  # torch's, with its gradient buckets (without them: PARAMS)
+        layout = lay[Role.PARAMS if loop else Role.GRADS][k]  # torch's, with its gradient buckets
         backward.append(CollectiveRecord(Kind.ALL_REDUCE, (pipe.axis,),
                                          math.prod(layout.local_shape(program.shapes[k])) * 4, True, Source.OP,
                                          "float32", layer_of(k), k))

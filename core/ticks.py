@@ -11,8 +11,11 @@ soon as a value is dead (interval colouring: as few slots as the schedule ever h
 So a loop over ticks holds what the schedule holds: GPipe's m inputs, 1F1B's at most p.
 
 Every value travels by a fixed offset in pp rank per tick (``shifts``: +1 forward and -1
-backward under loop placement; 0 for ZB-V's turn on the last rank, a local copy), so a tick
-ends with one collective permute per nonzero offset, every rank sending its one output.
+backward under loop placement; 0 for ZB-V's turn on the last rank, a local copy). A tick ends
+with at most two collective permutes per nonzero offset, one of stage outputs and one of input
+gradients, each over only the ranks that send one this tick (``sends``: the tick's pairs, the
+same on every rank, so every rank takes the same branch); a tick where none does sends nothing.
+So a rank sends what the schedule sends, no more: none of its bubbles' values.
 
 The first stage reads its microbatch's inputs (no ``x`` slot); the last stage's forward ends in
 the loss and its backward is seeded with 1/m (no ``dy`` slot).
@@ -30,7 +33,9 @@ __all__ = ["TickPlan", "lower_to_ticks", "forward_ticks", "FIELDS"]
 
 # Columns of ``TickPlan.table[rank, tick]``: the branch to run (0: nothing), its microbatch, the x
 # and dy slots it reads (-1: none), then for each of ``shifts`` (0 first): the buffer the value
-# arriving by that offset goes to (0 none, 1 x, 2 dy) and its slot.
+# arriving by that offset goes to (0 none, 1 x, 2 dy) and its slot; then for each of ``shifts``:
+# which of its forward and of its backward permutes the tick runs (``sends``; 0 none, the same
+# on every rank).
 FIELDS = ("branch", "mb", "x_slot", "dy_slot")
 NONE, TO_X, TO_DY = 0, 1, 2
 
@@ -43,12 +48,20 @@ class TickPlan:
     shifts: tuple[int, ...]  # pp-rank offsets values travel by; shifts[0] == 0 (a rank to itself)
     x_slots: int
     dy_slots: int
-    table: np.ndarray  # int32 (ranks, ticks, len(FIELDS) + 2 * len(shifts))
+    table: np.ndarray  # int32 (ranks, ticks, len(FIELDS) + 4 * len(shifts))
     start: tuple[dict, ...]  # rank -> {(op, stage, mb): tick}
+    # per shift: (forward, backward) permutes, each a tuple of the (source, destination) pairs of
+    # one tick's sends by that offset; a tick's send column names one (1-based; 0: no send)
+    sends: tuple[tuple[tuple[tuple[tuple[int, int], ...], ...], tuple[tuple[tuple[int, int], ...], ...]], ...]
 
     def column(self, shift: int) -> int:
         """The first of the two columns that say where a value arriving by ``shift`` goes."""
         return len(FIELDS) + 2 * self.shifts.index(shift)
+
+    def send_column(self, shift: int) -> int:
+        """The first of the two columns that say which forward (then backward) permute by ``shift``
+        a tick runs."""
+        return len(FIELDS) + 2 * len(self.shifts) + 2 * self.shifts.index(shift)
 
     @property
     def idle(self) -> float:
@@ -131,9 +144,9 @@ def _lower(sc: Schedule, actions, needs) -> TickPlan:
     shifts = (0,) + tuple(sorted(shifts - {0}))
     branches = sorted({(op, s) for (op, s, _) in at}, key=lambda b: (b[1], "FBIW".index(b[0].value)))
     branch = {b: i + 1 for i, b in enumerate(branches)}
-    table = np.full((p, ticks, len(FIELDS) + 2 * len(shifts)), -1, np.int32)
+    table = np.full((p, ticks, len(FIELDS) + 4 * len(shifts)), -1, np.int32)
     table[:, :, 0] = 0
-    table[:, :, len(FIELDS)::2] = NONE
+    table[:, :, len(FIELDS):len(FIELDS) + 2 * len(shifts):2] = NONE
     for r in range(p):
         for (op, s, j), t in start[r].items():
             row = table[r, t]
@@ -150,7 +163,22 @@ def _lower(sc: Schedule, actions, needs) -> TickPlan:
             col = len(FIELDS) + 2 * shifts.index((dst - r) % p)
             assert table[dst, t, col] == NONE, (r, t, op, s, j)
             table[dst, t, col], table[dst, t, col + 1] = buf, slot
-    return TickPlan(sc, ticks, tuple(branches), shifts, nx, ndy, table, tuple(start))
+    # Each tick's sends by each offset: the pairs whose receiver's table says a value arrives.
+    sends = []
+    for i, shift in enumerate(shifts):
+        col, send = len(FIELDS) + 2 * i, len(FIELDS) + 2 * len(shifts) + 2 * i
+        kinds: tuple[list, list] = ([], [])
+        for t in range(ticks):
+            for d, buf in enumerate((TO_X, TO_DY)):
+                pairs = tuple((r, (r + shift) % p) for r in range(p) if table[(r + shift) % p, t, col] == buf)
+                if pairs and shift:
+                    if pairs not in kinds[d]:
+                        kinds[d].append(pairs)
+                    table[:, t, send + d] = 1 + kinds[d].index(pairs)
+                else:
+                    table[:, t, send + d] = 0
+        sends.append((tuple(kinds[0]), tuple(kinds[1])))
+    return TickPlan(sc, ticks, tuple(branches), shifts, nx, ndy, table, tuple(start), tuple(sends))
 
 
 def lower_to_ticks(schedule: Schedule) -> TickPlan:

@@ -4,6 +4,8 @@ is tests/torch/test_traffic.py; here: the command, its JSON, and the report's ow
 
 import json
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings
 
 from differential_cases import cases, describe, inputs, program
@@ -105,6 +107,45 @@ def test_the_plan_is_what_jax_explicit_runs():
         assert not _differ(_jax_rows(program, batch)), (strategy, _differ(_jax_rows(program, batch)))
 
 
+@pytest.mark.slow
+def test_the_plan_is_what_the_jax_tick_loop_runs():
+    # JAX's pipeline is one compiled tick loop: device 0 (pp rank 0) runs the branch its table row
+    # names each tick and the sends of that tick it takes part in. Read from the loop's jaxpr,
+    # told those choices, its collectives equal the plan's for JAX (``plan_report(..., "jax")``:
+    # each backward piece runs its stage's forward again; each parameter's gradient summed once a
+    # step, after the loop; only the stage outputs and input gradients the schedule sends), by
+    # phase, kind and axes, in count and bytes: the pipelines torch's log is checked on
+    # (tests/torch/test_traffic.py), 1F1B, interleaved, ZB-V, a tied table, remat.
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    from parlay.backends.jax.plan_check import traffic_rows
+    from parlay.core import get_backend
+    from parlay.core.models.gpt import GPT, PRESETS
+    from parlay.core.program import make_program
+
+    sys.path.insert(0, str(Path(__file__).parent / "torch"))
+    from test_traffic import PIPELINES
+
+    for preset, layers, strategy, axes, schedule, m, *remat in PIPELINES:
+        if schedule is None:
+            continue
+        model = GPT(PRESETS[preset].with_(layers=layers))
+        program = make_program(model, strategy, Mesh(dict(axes)), batch=8, microbatches=m, schedule=schedule,
+                               remat=(remat or ["none"])[0])
+        tokens = np.random.default_rng(0).integers(0, model.config.vocab, (8, model.config.seq)).astype("int32")
+        log = get_backend("jax").run(program, lambda session: session.traffic({"tokens": tokens, "targets": tokens}))
+        rows = traffic_rows(plan_report(program, "jax").records, log, program.mesh)
+        sends = {row[0] for row in rows if row[1] == "permute" and row[5]}  # rank 0's, back from a later stage
+        assert sends == {"forward"} | ({"backward"} if max(program.pipeline.schedule.stages_of(0)) else set()), rows
+        assert not _differ(rows), (strategy, schedule, remat, _differ(rows))
+        if model.config.tie_embeddings:  # the tied table's gradient, summed over pp once
+            assert ("backward", "all-reduce", ("pp",), 1) == rows[[r[:3] for r in rows].index(
+                ("backward", "all-reduce", ("pp",)))][:4], rows
+
+
 def test_the_backward_is_read_from_jaxs_transpose_not_from_a_scopes_name():
     # A user's scope named "transpose_heads" around a forward collective stays forward; the
     # gradient of a value made to vary (pcast) is the backward's sum.
@@ -125,6 +166,44 @@ def test_the_backward_is_read_from_jaxs_transpose_not_from_a_scopes_name():
     closed = jax.make_jaxpr(jax.grad(lambda x, w: f(x, w).sum(), argnums=1))(jnp.ones(4), jnp.ones(2))
     assert [(e.kind.value, e.axes, e.nbytes, e.backward) for e in jaxpr_traffic(closed, atoms).entries] == [
         ("all-reduce", ("dp",), 8, False), ("all-reduce", ("dp",), 8, True)]
+
+
+def test_a_conds_branch_is_the_one_device_0_takes_trip_by_trip():
+    # A scan of 3 trips whose switch (in scope "pick") runs a psum over dp (branch 1) or a send
+    # over dp (branch 2, a p2p scope) or nothing (0): told device 0's branch per trip, the reader
+    # counts exactly those; a send device 0 only receives is not its record; untold, it refuses.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from parlay.backends.jax.jaxpr_traffic import P2P, jaxpr_traffic
+    from parlay.backends.jax.mesh import AtomMesh
+
+    atoms = AtomMesh(Mesh(dp=2))
+    perms = {2: [(0, 1)], 3: [(1, 0)]}  # device 0 sends; device 0 only receives
+
+    def local(x, which):
+        def tick(c, i):
+            with jax.named_scope("pick"):
+                moves = [lambda v: v, lambda v: jax.lax.psum(v, "dp")]
+                for k in (2, 3):
+                    def send(v, perm=perms[k]):
+                        with jax.named_scope(P2P + "x"):
+                            return jax.lax.ppermute(v, "dp", perm)
+                    moves.append(send)
+                return jax.lax.switch(i, moves, c), None
+        return jax.lax.scan(tick, x, which)[0]
+
+    f = jax.shard_map(local, mesh=atoms.jax_mesh(None), in_specs=(P("dp"), P()), out_specs=P("dp"), check_vma=False)
+    closed = jax.make_jaxpr(f)(jnp.ones(8), jnp.zeros(4, jnp.int32))
+    got = lambda trips: [(e.kind.value, e.nbytes, e.source.value)
+                         for e in jaxpr_traffic(closed, atoms, {"pick": trips}).entries]
+    assert got([1, 0, 2, 3]) == [("all-reduce", 16, "plan"), ("permute", 16, "p2p")]  # 4 floats a device
+    assert got([0, 0, 3, 3]) == []
+    with pytest.raises(ValueError, match="branches of a cond run different collectives"):
+        jaxpr_traffic(closed, atoms)
+    with pytest.raises(ValueError, match="has 2 choices for a scan of 4 trips"):
+        jaxpr_traffic(closed, atoms, {"pick": [0, 1]})
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))

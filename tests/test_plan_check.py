@@ -86,7 +86,15 @@ def test_parlay_plan_check_prints_and_writes_it(tmp_path, capsys):
     assert all(r["equal"] for r in check["collectives"]) and check["peak"]["xla_total"] > 0
     assert check["jax_explicit"] and all(r["equal"] for r in check["jax_explicit"])
     assert {r["phase"] for r in check["jax_explicit"]} == {"forward", "backward"}
-    assert main(["plan", "--strategy", "pp", "--mesh", "pp=2", "--microbatches", "2", "--check"]) == 2
-    assert "--check compiles one step without a pipeline" in capsys.readouterr().err
+    # a pipeline: JAX's tick loop read told pp rank 0's row, against JAX's plan of it; no HLO rows
+    assert main(["plan", "--strategy", "pp+dp", "--mesh", "pp=2,dp=4", "--microbatches", "2", "--check", "--json",
+                 str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "a pipeline runs as JAX's tick loop" in out and "the plan against XLA's compiled step" not in out
+    check = json.loads(path.read_text())["check"]
+    assert not check["hlo_compared"] and not check["collectives"] and check["peak"]["xla_total"] > 0
+    rows = {(r["phase"], r["kind"], tuple(r["axes"])): r for r in check["jax_explicit"]}
+    assert set(rows) == {("forward", "permute", ("pp",)), ("backward", "all-reduce", ("dp",))}, rows
+    assert all(r["equal"] for r in rows.values()) and rows["forward", "permute", ("pp",)]["jax"][0] == 2
     assert main(["plan", "--devices", "8", "--check"]) == 2
     assert "with --devices N the search prints the command" in capsys.readouterr().err

@@ -14,6 +14,13 @@ collectives) and its two jitted functions compiled, nothing run:
 - the loss and gradients' jaxpr, before XLA (``jaxpr_traffic``): JAX explicit's collectives,
   forward and backward, by phase, kind and mesh axes, against the plan's, exactly (``jax_rows``).
 
+Under a pipeline the step is JAX's tick loop (backends/jax/ticks.py): each device runs the
+branch its table row names each tick, which neither the HLO nor the jaxpr says. Its jaxpr is
+read told pp rank 0's row (``JaxLoopSession.traffic``) and compared with the plan of JAX's loop
+(``plan_report(program, "jax")``: a backward piece runs its stage's forward again); its HLO's
+collectives are not compared (``hlo.py`` counts a conditional's branches only as a bound); its
+memory is, as above.
+
 XLA's counts differ by design: XLA combines collectives of one group into one instruction (its
 all-reduce combiner) and drops a collective whose result another already computed. Bytes are
 compared instead: equal up to the rounding of the ring formula (each record and each
@@ -69,6 +76,7 @@ class PlanCheck:
     jax_rows: list[tuple] = field(default_factory=list)
     # k microbatches: the parameters JAX explicit sums per microbatch, and why a step fell back to that
     accumulation: dict | None = None
+    hlo: bool = True  # False: the HLO's collectives not compared (a pipeline's tick loop)
 
     @property
     def equal(self) -> bool:
@@ -80,7 +88,8 @@ class PlanCheck:
 
     def to_json(self) -> dict:
         ratio = lambda pair: pair[0] / pair[1] if pair[1] else None
-        return {"collectives": [r.to_json() for r in self.rows], "xla_clip_norm_bytes": self.norm_bytes,
+        return {"collectives": [r.to_json() for r in self.rows], "hlo_compared": self.hlo,
+                "xla_clip_norm_bytes": self.norm_bytes if self.hlo else None,
                 "activations": {"predicted": self.activations[0], "xla_temp": self.activations[1],
                                 "ratio": ratio(self.activations)},
                 "peak": {"predicted": self.peak[0], "xla_total": self.peak[1], "ratio": ratio(self.peak)},
@@ -149,15 +158,13 @@ def check_plan(report, batch=None) -> PlanCheck:
     from .hlo import parse_collectives
 
     program: Program = report.program
-    if program.pipeline is not None:
-        raise ValueError(f"--check compiles one step without a pipeline; {program.strategy.name!r} runs pp (in the "
-                         f"compiled tick loop each pp rank runs its own branch each tick, which neither the HLO nor "
-                         f"the jaxpr says): check the layout without pp; its plan is checked against torch's log instead")
     memory = memory_report(program, "jax")  # what JAX keeps (torch's autograd keeps other values)
     if memory.activations is None:
         raise ValueError(f"--check needs the plan's memory prediction: {memory.detail}")
     if batch is None:  # compiled, never run: the values do not matter
         batch = {k: np.zeros(d.shape, d.dtype.numpy) for k, d in program.inputs.items()}
+    if program.pipeline is not None:
+        return _check_loop(program, memory, batch)
 
     def compile_both(session, batch):
         grads = session._grads.lower(session.state["params"], session._place_microbatches(batch),
@@ -194,4 +201,23 @@ def check_plan(report, batch=None) -> PlanCheck:
     total = (s_mem.argument_size_in_bytes + s_mem.output_size_in_bytes - s_mem.alias_size_in_bytes
              + s_mem.temp_size_in_bytes)
     out.peak = (memory.peak, total)
+    return out
+
+
+def _check_loop(program: Program, memory, batch) -> PlanCheck:
+    """``check_plan`` of a pipelined program: JAX's tick loop (module docstring)."""
+    from ...core import get_backend
+    from ...planning import plan_report
+
+    def compile_both(session, batch):
+        grads = session._grads.lower(session.state["params"], *session._args(batch)).compile()
+        return (grads.memory_analysis(), session.compiled_step(batch).memory_analysis(), session.traffic(batch),
+                dict(session.accumulation))
+
+    g_mem, s_mem, traffic, accumulation = get_backend("jax").run(program, compile_both, batch)
+    out = PlanCheck(jax_rows=traffic_rows(plan_report(program, "jax").records, traffic, program.mesh),
+                    accumulation=accumulation, hlo=False)
+    out.activations = (memory.activations, g_mem.temp_size_in_bytes)
+    out.peak = (memory.peak, s_mem.argument_size_in_bytes + s_mem.output_size_in_bytes - s_mem.alias_size_in_bytes
+                + s_mem.temp_size_in_bytes)
     return out

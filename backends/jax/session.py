@@ -38,7 +38,7 @@ from ...core.session import check_batch, in_order, input_values, make_executor, 
 from ...core.strategies import Role
 from ...core.trace import Recorder, assemble, check_step
 from .comm import JaxComm, VarianceMismatch
-from .jaxpr_traffic import GRADIENT_SUMS
+from .jaxpr_traffic import BACKWARD
 from .distributed import fetch, put
 from .env import use_host_devices
 from .mesh import AtomMesh, lower_layout, lower_mesh
@@ -67,6 +67,22 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
         optax.scale_by_adam(b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps),
         optax.add_decayed_weights(cfg.weight_decay),
     )
+
+
+def gradient_sums(program: Program) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """Each parameter whose gradient the executor sums over mesh axes it is replicated over
+    (``vary``'s transpose: data parallelism's sum, or a tensor-parallel one of a replicated norm
+    weight), by the one set of axes it sums over, read from ``program`` traced on shapes (the
+    executor's own account); and the parameters it sums over two different sets (their sums stay
+    where the executor runs them)."""
+    from .memory import collective_traffic
+
+    sets: dict[str, set] = {}
+    for r in collective_traffic(program).entries:
+        if r.backward and r.param:
+            sets.setdefault(r.param, set()).add(frozenset(r.axes))
+    once = {k: tuple(a for a in program.mesh.axis_names if a in next(iter(v))) for k, v in sets.items() if len(v) == 1}
+    return once, sorted(k for k, v in sets.items() if len(v) > 1)
 
 
 def gspmd_ops(program: Program, sharding: Callable[[Layout], NamedSharding], *, training: bool, rng: DropoutKey,
@@ -265,23 +281,10 @@ class JaxSession:
         return scalar_loss(ops, remat_loss(p.model, p.remat, ops, sp, sb, checkpoint))
 
     def _summed_over(self) -> dict[str, tuple[str, ...]]:
-        """Each parameter whose gradient the executor sums over mesh axes it is replicated over
-        (``vary``'s transpose: data parallelism's sum, or a tensor-parallel one of a replicated
-        norm weight), by the one set of axes it sums over, read from the microbatch program
-        traced on shapes (the executor's own account; a trace of the model's shapes, once per
-        session). A parameter summed over two different sets keeps its sums per microbatch
-        (``accumulation["per_microbatch"]``)."""
+        """``gradient_sums`` of the microbatch program, once per session (a parameter summed over two
+        different sets keeps its sums per microbatch: ``accumulation["per_microbatch"]``)."""
         if self._sums is None:
-            from .memory import collective_traffic
-
-            sets: dict[str, set] = {}
-            for r in collective_traffic(self.program.micro).entries:
-                if r.backward and r.param:
-                    sets.setdefault(r.param, set()).add(frozenset(r.axes))
-            mesh = self.program.mesh
-            self._sums = {k: tuple(a for a in mesh.axis_names if a in next(iter(v)))
-                          for k, v in sets.items() if len(v) == 1}
-            self.accumulation["per_microbatch"] = sorted(k for k, v in sets.items() if len(v) > 1)
+            self._sums, self.accumulation["per_microbatch"] = gradient_sums(self.program.micro)
         return self._sums
 
     def _accumulated(self, params, batch, step, training: bool, seed):
@@ -306,7 +309,7 @@ class JaxSession:
 
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, varied))
             (loss, grads), _ = lax.scan(one, zeros, (batch, jnp.arange(k, dtype=jnp.int32)))
-            with jax.named_scope(GRADIENT_SUMS):  # the backward's last collectives (jaxpr_traffic reads it)
+            with jax.named_scope(BACKWARD):  # the backward's last collectives (jaxpr_traffic reads it)
                 return loss, {n: lax.psum(g, atoms.names(sums[n])) if sums.get(n) else g for n, g in grads.items()}
 
         pspec = {n: atoms.spec(p.layouts[Role.PARAMS][n]) for n in params}

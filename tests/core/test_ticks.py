@@ -44,18 +44,29 @@ def replay(plan):
                 out[r] = ("x", s + 1, int(j))
             elif op is backward and s > 0:
                 out[r] = ("dy", s - 1, int(j))
-        for shift in plan.shifts:
-            col = plan.column(shift)
+        for i, shift in enumerate(plan.shifts):
+            col, send = plan.column(shift), plan.send_column(shift)
+            pairs = set()  # (source, destination, 0 forward / 1 backward) of the tick's sends by ``shift``
+            for d in (0, 1):
+                k = plan.table[0, t, send + d]
+                assert (plan.table[:, t, send + d] == k).all(), "every rank takes the same send branch"
+                for a, dst in (plan.sends[i][d][k - 1] if k else ()):
+                    assert shift and out[a] is not None and out[a][0] == ("x", "dy")[d], f"tick {t}: {a} sends nothing"
+                    pairs.add((a, dst, d))
+            received = 0
             for r in range(p):
                 src = (r - shift) % p
                 to, slot = plan.table[r, t, col], plan.table[r, t, col + 1]
                 if to == 0:
                     continue
+                received += 1
+                assert not shift or (src, r, 0 if to == TO_X else 1) in pairs, (t, r, shift)
                 value = out[src]
                 assert value is not None and value[0] == ("x" if to == TO_X else "dy"), (t, r, shift, value)
                 buf = xbuf[r] if to == TO_X else dybuf[r]
                 assert buf[slot] is None or pending[buf[slot]] == 0, f"tick {t}: {value} overwrites {buf[slot]}"
                 buf[slot] = value
+            assert len(pairs) == (received if shift else 0), f"tick {t}: a send nobody receives"
     return ran
 
 
