@@ -421,6 +421,10 @@ def _plan_check(report, console: Console):
     from .core import get_backend
 
     try:
+        if report.program.pipeline is not None and report.backend != "jax":  # the loop's plan, not torch's
+            from .planning import plan_report
+
+            report = plan_report(report.program, "jax")
         check = get_backend("jax").check_plan(report)
     except ValueError as e:
         raise UsageError(str(e)) from None

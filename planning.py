@@ -31,12 +31,13 @@ PHASES = ("forward", "backward", "optimizer")
 @dataclass
 class PlanReport:
     program: Program
-    records: dict[str, list[CollectiveRecord]] = field(default_factory=dict)  # by phase; empty under pp
+    records: dict[str, list[CollectiveRecord]] = field(default_factory=dict)  # by phase
     memory: MemoryReport | None = None
     bubble: float | None = None  # the pipeline's idle share of a step (None: no pipeline)
     note: str = ""  # why something is not counted
     flops: int | None = None  # rank 0's matrix-product FLOPs in one forward and backward
     written: Written | None = None  # the bytes rank 0's other ops write in it (the memory-bound rest)
+    backend: str = "torch"  # whose program it counts (differs under a pipeline: ``_pipeline_records``)
 
     def sent(self, phase: str | None = None) -> int:
         return sum(r.nbytes for p in ([phase] if phase else PHASES) for r in self.records.get(p, ()))
@@ -108,7 +109,7 @@ def plan_report(program: Program, backend: str = "torch") -> PlanReport:
     from .core.schedule import simulate_schedule
     from .core.session import get_backend
 
-    report = PlanReport(program, memory=memory_report(program, backend))
+    report = PlanReport(program, memory=memory_report(program, backend), backend=backend)
     if getattr(program.model, "runs_on", None):
         report.note = f"the model runs on {', '.join(program.model.runs_on)} only, not the sharded executor: its " \
                       f"collectives are XLA's (GSPMD)"

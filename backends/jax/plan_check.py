@@ -17,7 +17,8 @@ collectives) and its two jitted functions compiled, nothing run:
 Under a pipeline the step is JAX's tick loop (backends/jax/ticks.py): each device runs the
 branch its table row names each tick, which neither the HLO nor the jaxpr says. Its jaxpr is
 read told pp rank 0's row (``JaxLoopSession.traffic``) and compared with the plan of JAX's loop
-(``plan_report(program, "jax")``: a backward piece runs its stage's forward again); its HLO's
+(the report must be ``plan_report(program, "jax")``: a backward piece runs its stage's forward
+again); its HLO's
 collectives are not compared (``hlo.py`` counts a conditional's branches only as a bound); its
 memory is, as above.
 
@@ -164,7 +165,10 @@ def check_plan(report, batch=None) -> PlanCheck:
     if batch is None:  # compiled, never run: the values do not matter
         batch = {k: np.zeros(d.shape, d.dtype.numpy) for k, d in program.inputs.items()}
     if program.pipeline is not None:
-        return _check_loop(program, memory, batch)
+        if report.backend != "jax":
+            raise ValueError(f"--check of a pipeline compares JAX's tick loop with the plan of it; this plan counts "
+                             f"{report.backend}'s pipeline: pass plan_report(program, 'jax')")
+        return _check_loop(report, memory, batch)
 
     def compile_both(session, batch):
         grads = session._grads.lower(session.state["params"], session._place_microbatches(batch),
@@ -204,10 +208,11 @@ def check_plan(report, batch=None) -> PlanCheck:
     return out
 
 
-def _check_loop(program: Program, memory, batch) -> PlanCheck:
-    """``check_plan`` of a pipelined program: JAX's tick loop (module docstring)."""
+def _check_loop(report, memory, batch) -> PlanCheck:
+    """``check_plan`` of a pipelined program: JAX's tick loop, against ``report`` (JAX's plan of it)."""
     from ...core import get_backend
-    from ...planning import plan_report
+
+    program = report.program
 
     def compile_both(session, batch):
         grads = session._grads.lower(session.state["params"], *session._args(batch)).compile()
@@ -215,7 +220,7 @@ def _check_loop(program: Program, memory, batch) -> PlanCheck:
                 dict(session.accumulation))
 
     g_mem, s_mem, traffic, accumulation = get_backend("jax").run(program, compile_both, batch)
-    out = PlanCheck(jax_rows=traffic_rows(plan_report(program, "jax").records, traffic, program.mesh),
+    out = PlanCheck(jax_rows=traffic_rows(report.records, traffic, program.mesh),
                     accumulation=accumulation, hlo=False)
     out.activations = (memory.activations, g_mem.temp_size_in_bytes)
     out.peak = (memory.peak, s_mem.argument_size_in_bytes + s_mem.output_size_in_bytes - s_mem.alias_size_in_bytes
