@@ -161,19 +161,24 @@ class _Walker:
         return found
 
 
+def _scopes(name_stack) -> list[str]:
+    """The names of the scopes on a name stack (by its entries, not its text)."""
+    return [e.name for e in getattr(name_stack, "stack", ()) if isinstance(e, Scope)]
+
+
 def _p2p(name_stack) -> bool:
-    return any(isinstance(e, Scope) and e.name.startswith(P2P) for e in getattr(name_stack, "stack", ()))
+    return any(n.startswith(P2P) for n in _scopes(name_stack))
 
 
 def _in_scope(name_stack, scope: str) -> bool:
-    return any(isinstance(e, Scope) and e.name == scope for e in getattr(name_stack, "stack", ()))
+    return scope in _scopes(name_stack)
 
 
 def _is_backward(name_stack) -> bool:
     """JAX's transpose transform on the name stack, or the ``BACKWARD`` scope (by its entries, not
     its text: a user's function or scope may have "transpose" in its name)."""
-    return any((isinstance(e, Transform) and e.name == "transpose") or (isinstance(e, Scope) and e.name == BACKWARD)
-               for e in getattr(name_stack, "stack", ()))
+    return (any(isinstance(e, Transform) and e.name == "transpose" for e in getattr(name_stack, "stack", ()))
+            or _in_scope(name_stack, BACKWARD))
 
 
 def _inner(eqn):

@@ -202,10 +202,14 @@ def check_plan(report, batch=None) -> PlanCheck:
             if pc or pb or xb:  # (a count alone: XLA combined the two functions' differently)
                 out.rows.append(KindCheck(phase, kind, pc, pb, max(xc, 0), xb))
     out.activations = (memory.activations, g_mem.temp_size_in_bytes)
-    total = (s_mem.argument_size_in_bytes + s_mem.output_size_in_bytes - s_mem.alias_size_in_bytes
-             + s_mem.temp_size_in_bytes)
-    out.peak = (memory.peak, total)
+    out.peak = (memory.peak, _step_total(s_mem))
     return out
+
+
+def _step_total(mem) -> int:
+    """A compiled step's whole footprint: arguments + outputs - donated + temporary bytes."""
+    return (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes)
 
 
 def _check_loop(report, memory, batch) -> PlanCheck:
@@ -223,6 +227,5 @@ def _check_loop(report, memory, batch) -> PlanCheck:
     out = PlanCheck(jax_rows=traffic_rows(report.records, traffic, program.mesh),
                     accumulation=accumulation, hlo=False)
     out.activations = (memory.activations, g_mem.temp_size_in_bytes)
-    out.peak = (memory.peak, s_mem.argument_size_in_bytes + s_mem.output_size_in_bytes - s_mem.alias_size_in_bytes
-                + s_mem.temp_size_in_bytes)
+    out.peak = (memory.peak, _step_total(s_mem))
     return out
