@@ -9,7 +9,27 @@ from jax import lax
 
 from ...core import AllGather, AllReduce, AllToAll, LocalSlice, Permute, ReduceScatter, Step
 
-__all__ = ["run_step"]
+__all__ = ["run_step", "ppermute"]
+
+
+def ppermute(x, names: tuple[str, ...], perm, atom_names: tuple[str, ...]):
+    """``lax.ppermute`` with ``perm``'s indices counted in ``names``' order, as ``lax.axis_index``,
+    ``all_gather``, ``psum_scatter`` and ``all_to_all`` count a group of several axes.
+
+    JAX (0.10) numbers a multi-axis ``ppermute``'s members in the mesh's axis order whatever order
+    ``names`` come in, so a ring over ('y', 'x') on a mesh (x, y) sent to the wrong neighbours. The
+    call here names the axes in the mesh's order and renumbers the pairs to match; in that order
+    every convention agrees, so this holds whichever way JAX settles it.
+    """
+    ordered = tuple(sorted(names, key=atom_names.index))
+    if ordered == tuple(names):
+        return lax.ppermute(x, names, perm=list(perm))
+    sizes = [lax.axis_size(n) for n in names]
+    to_mesh = {}
+    for t in range(int(np.prod(sizes))):
+        coords = dict(zip(names, np.unravel_index(t, sizes)))
+        to_mesh[t] = int(np.ravel_multi_index([coords[n] for n in ordered], [lax.axis_size(n) for n in ordered]))
+    return lax.ppermute(x, ordered, perm=[(to_mesh[s], to_mesh[d]) for s, d in perm])
 
 
 def run_step(step: Step, x, names: tuple[str, ...], atom_names: tuple[str, ...]):

@@ -15,7 +15,7 @@ from jax import lax
 from ...core.executor import Sharded
 from ...core.log import CollectiveLog
 from ...core.steps import Kind, Step, collective_bytes
-from .collectives import run_step
+from .collectives import ppermute, run_step
 from .mesh import AtomMesh
 from .ops import JaxLocal
 
@@ -122,7 +122,7 @@ class JaxComm:
         n = self.mesh.group_size(axes)
         if self.log is not None:
             self.log.record(Kind.PERMUTE, tuple(axes), x.size * x.dtype.itemsize, backward, dtype=x.dtype)
-        return lax.ppermute(x, names, perm=[(j, (j + 1) % n) for j in range(n)])
+        return ppermute(x, names, [(j, (j + 1) % n) for j in range(n)], self.atoms.atom_names)
 
     def custom(self, fwd, bwd, *xs):
         return custom_op(fwd, bwd, *xs)

@@ -1,4 +1,5 @@
-"""Wrong results of XLA's SPMD partitioner that parlay's checks found, as minimal reproductions.
+"""Wrong results of XLA's SPMD partitioner (and one of JAX's collectives) that parlay's checks found, as
+minimal reproductions.
 
 Each asserts the right answer and is marked ``xfail(strict=True)``: while the installed XLA has the
 bug, its assertion fails and pytest reports an expected failure; the day an upgrade fixes it, the
@@ -43,3 +44,41 @@ def test_the_batch_over_row_then_dep_gives_the_right_gradient():
 @pytest.mark.xfail(strict=True, reason="XLA SPMD partitioner: wrong dx for x[(dep, row), col] @ w[row, col]")
 def test_the_batch_over_dep_then_row_gives_the_right_gradient():
     assert _input_gradient_error(("dep", "row")) < 1e-5
+
+
+# -- JAX: a ppermute over several axes numbers its members in the mesh's order ----------------------
+#
+# jax 0.10.2, inside shard_map: lax.axis_index(('y', 'x')), all_gather, psum_scatter and all_to_all
+# number a group of several axes in the order given (y major), but lax.ppermute(x, ('y', 'x'), perm)
+# reads perm's indices in the mesh's order (x major). parlay's ring attention over a sequence split
+# over ('y', 'x') on a mesh (x, y) sent its blocks to the wrong neighbours: a loss 2.9e-4 off one
+# device, found by a random rule set. parlay's collectives.ppermute names the axes in the mesh's
+# order and renumbers the pairs, where every convention agrees.
+
+def _ring_sources(names, permute) -> tuple[np.ndarray, np.ndarray]:
+    """Each device's index in ``names``' order, and the index it received from a ring shift by one."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("x", "y", "z"), axis_types=(AxisType.Explicit,) * 3)
+
+    def f(_):
+        i = jax.lax.axis_index(names)
+        got = permute(jnp.full((1,), i), names, [(j, (j + 1) % 8) for j in range(8)])
+        return jnp.stack([i, got[0]])[None]
+
+    out = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(("x", "y", "z")))(jnp.zeros(1))
+    out = np.asarray(out)
+    return out[:, 0], out[:, 1]
+
+
+@pytest.mark.xfail(strict=True, reason="JAX: a multi-axis ppermute numbers members in mesh order, axis_index in the given order")
+def test_lax_ppermute_over_axes_out_of_mesh_order_shifts_by_axis_index():
+    index, source = _ring_sources(("z", "x", "y"), lambda x, names, perm: jax.lax.ppermute(x, names, perm))
+    np.testing.assert_array_equal(source, (index - 1) % 8)
+
+
+@pytest.mark.parametrize("names", [("x", "y", "z"), ("z", "x", "y"), ("y", "z", "x"), ("z", "y", "x")])
+def test_parlays_ppermute_shifts_by_axis_index_in_any_order(names):
+    from parlay.backends.jax.collectives import ppermute
+
+    index, source = _ring_sources(names, lambda x, n, perm: ppermute(x, n, perm, ("x", "y", "z")))
+    assert sorted(index) == list(range(8))
+    np.testing.assert_array_equal(source, (index - 1) % 8)
