@@ -305,6 +305,8 @@ def print_memory(program, console: Console, backend: str) -> None:
     adam = f"AdamW {_size(r.optimizer)}" if not r.host else f"AdamW none (its {_size(r.host)} in host memory)"
     console.print(f"memory per device (predicted): parameters {_size(r.params)}, gradients {_size(r.grads)}, {adam}, "
                   f"batch {_size(r.inputs)}, activations {_size(r.activations)} ({r.detail}), "
+                  + (f"gradient accumulators {_size(r.accumulators)} (the sums JAX's loop carries across "
+                     f"microbatches), " if r.accumulators else "") +
                   f"largest value {_size(r.largest)}: peak about {_size(r.peak)}; {100 * r.unsharded:.1f}% of the "
                   f"parameters' elements held whole on every rank", soft_wrap=True)
 
@@ -454,7 +456,8 @@ def _plan_check(report, console: Console):
                       f"the rows, the clip norm: the plan states torch's one float64 all-reduce ({NORM_BYTES} bytes); "
                       f"{norm}.", soft_wrap=True)
     (pa, xa), (pp, xp) = check.activations, check.peak
-    console.print(f"memory, predicted / XLA: activations kept for the backward {_size(pa)} / {_size(xa)} (the "
+    kept = "activations kept for the backward" + (" + gradient accumulators" if check.accumulators else "")
+    console.print(f"memory, predicted / XLA: {kept} {_size(pa)} / {_size(xa)} (the "
                   f"gradient function's temporary bytes) = {pa / xa:.3f}; peak {_size(pp)} / {_size(xp)} (the step's "
                   f"arguments + outputs - donated + temporary bytes) = {pp / xp:.3f}", soft_wrap=True)
     if program.microbatches > 1 and program.pipeline is None:

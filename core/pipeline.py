@@ -22,6 +22,7 @@ loss normalised once, never per microbatch or per stage).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -63,6 +64,9 @@ class Pipeline:
     schedule: Schedule
     layers_of_stage: tuple[tuple[int, ...], ...]
     params_of_stage: tuple[frozenset, ...]
+    # each stage's parameters that one layer alone uses, in declaration order: what a loop that runs
+    # every stage as one program stacks (backends/jax/ticks.py); the rest it holds on every pp rank
+    stacked_of_stage: tuple[tuple[str, ...], ...] = ()
 
     @property
     def stages(self) -> int:
@@ -78,6 +82,14 @@ class Pipeline:
 
     def params_of_rank(self, rank: int) -> frozenset:
         return frozenset().union(*(self.params_of_stage[s] for s in self.schedule.stages_of(rank)))
+
+    def held_by_loop(self, rank: int, names) -> frozenset:
+        """The parameters (of ``names``, all the model's) pp rank ``rank`` holds in the JAX tick
+        loop: its stages' stacked ones, and every parameter that is not stacked (the embedding,
+        the head, a tied table: each pp rank holds a block of it, used or not)."""
+        stacked = {n for ns in self.stacked_of_stage for n in ns}
+        mine = {n for s in self.schedule.stages_of(rank) for n in self.stacked_of_stage[s]}
+        return frozenset(mine | (set(names) - stacked))
 
     def __post_init__(self):
         # Who holds each parameter, once: sessions ask for every parameter every step.
@@ -174,6 +186,10 @@ def make_pipeline(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleKind,
     per = n_layers // stages
     layers_of = tuple(tuple(range(k * per, (k + 1) * per)) for k in range(stages))
     uses = part_params(model, batch // microbatches)  # ("embed" | i | "head") -> parameter names
+    count = Counter(n for names in uses.values() for n in names)
+    order = [d.name for d in model.decls()]
+    alone = lambda i: [n for n in order if n in uses[i] and count[n] == 1]
+    stacked = tuple(tuple(n for i in layers_of[k] for n in alone(i)) for k in range(stages))
     params_of = []
     for k in range(stages):
         names = set().union(*(uses[i] for i in layers_of[k]))
@@ -182,7 +198,7 @@ def make_pipeline(model, mesh: Mesh, axis: str, *, schedule: str | ScheduleKind,
         if k == stages - 1:
             names |= uses["head"]
         params_of.append(frozenset(names))
-    return Pipeline(axis, sched, layers_of, tuple(params_of))
+    return Pipeline(axis, sched, layers_of, tuple(params_of), stacked)
 
 
 # -- running a schedule ------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ def ppermute(x, names: tuple[str, ...], perm, atom_names: tuple[str, ...]):
 
     JAX (0.10) numbers a multi-axis ``ppermute``'s members in the mesh's axis order whatever order
     ``names`` come in, so a ring over ('y', 'x') on a mesh (x, y) sent to the wrong neighbours. The
-    call here names the axes in the mesh's order and renumbers the pairs to match; in that order
-    every convention agrees, so this holds whichever way JAX settles it.
+    pairs are renumbered into the mesh's order here; ``names`` keep their order, so the jaxpr names
+    the axes as the plan does. ``tests/jax/test_xla_known_bugs.py`` fails the day JAX changes this.
     """
     ordered = tuple(sorted(names, key=atom_names.index))
     if ordered == tuple(names):
@@ -29,7 +29,7 @@ def ppermute(x, names: tuple[str, ...], perm, atom_names: tuple[str, ...]):
     for t in range(int(np.prod(sizes))):
         coords = dict(zip(names, np.unravel_index(t, sizes)))
         to_mesh[t] = int(np.ravel_multi_index([coords[n] for n in ordered], [lax.axis_size(n) for n in ordered]))
-    return lax.ppermute(x, ordered, perm=[(to_mesh[s], to_mesh[d]) for s, d in perm])
+    return lax.ppermute(x, names, perm=[(to_mesh[s], to_mesh[d]) for s, d in perm])
 
 
 def run_step(step: Step, x, names: tuple[str, ...], atom_names: tuple[str, ...]):

@@ -71,8 +71,9 @@ class KindCheck:
 class PlanCheck:
     rows: list[KindCheck] = field(default_factory=list)
     norm_bytes: int = 0  # XLA's clip-norm partial sums: scalar all-reduces the optimizer adds
-    activations: tuple[int, int] = (0, 0)  # (predicted, XLA temporary bytes of the gradients)
+    activations: tuple[int, int] = (0, 0)  # (predicted activations + accumulators, XLA temporary bytes of the gradients)
     peak: tuple[int, int] = (0, 0)  # (predicted, XLA's total for the step)
+    accumulators: int = 0  # of ``activations[0]``: the gradient sums JAX's loop carries (core/memory.py)
     # the plan's forward and backward beside JAX explicit's jaxpr (``traffic_rows``): exactly
     jax_rows: list[tuple] = field(default_factory=list)
     # k microbatches: the parameters JAX explicit sums per microbatch, and why a step fell back to that
@@ -92,7 +93,7 @@ class PlanCheck:
         return {"collectives": [r.to_json() for r in self.rows], "hlo_compared": self.hlo,
                 "xla_clip_norm_bytes": self.norm_bytes if self.hlo else None,
                 "activations": {"predicted": self.activations[0], "xla_temp": self.activations[1],
-                                "ratio": ratio(self.activations)},
+                                "ratio": ratio(self.activations), "of_which_accumulators": self.accumulators},
                 "peak": {"predicted": self.peak[0], "xla_total": self.peak[1], "ratio": ratio(self.peak)},
                 "jax_explicit": [{"phase": ph, "kind": kind, "axes": list(axes), "plan": [pc, pb], "jax": [jc, jb],
                                   "equal": (pc, pb) == (jc, jb)} for ph, kind, axes, pc, pb, jc, jb in self.jax_rows]}
@@ -201,7 +202,8 @@ def check_plan(report, batch=None) -> PlanCheck:
             (pc, pb), (xc, xb) = plan.get(kind, [0, 0]), xla.get(kind, [0, 0])
             if pc or pb or xb:  # (a count alone: XLA combined the two functions' differently)
                 out.rows.append(KindCheck(phase, kind, pc, pb, max(xc, 0), xb))
-    out.activations = (memory.activations, g_mem.temp_size_in_bytes)
+    out.activations = (memory.activations + memory.accumulators, g_mem.temp_size_in_bytes)
+    out.accumulators = memory.accumulators
     out.peak = (memory.peak, _step_total(s_mem))
     return out
 
@@ -226,6 +228,7 @@ def _check_loop(report, memory, batch) -> PlanCheck:
     g_mem, s_mem, traffic, accumulation = get_backend("jax").run(program, compile_both, batch)
     out = PlanCheck(jax_rows=traffic_rows(report.records, traffic, program.mesh),
                     accumulation=accumulation, hlo=False)
-    out.activations = (memory.activations, g_mem.temp_size_in_bytes)
+    out.activations = (memory.activations + memory.accumulators, g_mem.temp_size_in_bytes)
+    out.accumulators = memory.accumulators
     out.peak = (memory.peak, _step_total(s_mem))
     return out

@@ -35,7 +35,6 @@ stacked tree (each parameter counted once), the learning rate from the host.
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -53,7 +52,6 @@ from ...core.program import Program
 from ...core.remat import run_layers
 from ...core.schedule import Op
 from ...core.session import input_values, make_executor, microbatches, scalar_loss
-from ...core.shapes import part_params
 from ...core.strategies import Role
 from ...core.ticks import TO_DY, TO_X, TickPlan, forward_ticks, lower_to_ticks
 from .comm import JaxComm, VarianceMismatch, _vma
@@ -93,11 +91,8 @@ def stacking(program: Program, sub: Program) -> Stacking:
     stage whose parameters differ from stage 0's)."""
     pipe, model = program.pipeline, program.model
     sc = pipe.schedule
-    uses = part_params(model, sub.batch)
-    count = Counter(n for names in uses.values() for n in names)
     order = list(program.shapes)
-    own = lambda i: [n for n in order if n in uses[i] and count[n] == 1]
-    names = tuple(tuple(n for i in pipe.layers_of_stage[s] for n in own(i)) for s in range(pipe.stages))
+    names = pipe.stacked_of_stage
     lay = lambda role, n: sub.layouts[role][n]
     problems = []
     for s in range(1, pipe.stages):
