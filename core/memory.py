@@ -26,7 +26,8 @@ a pipeline carries its sums too, but XLA's temporary bytes there grow by less th
 
 What it does not count: temporaries inside one op or one collective, the gradient of an
 activation while the backward runs, a framework's workspace and fragmentation. ``peak`` is the
-state plus the kept activations, the accumulators and the largest single value the model computes.
+state plus the batch, the kept activations, the accumulators and the largest single value the model
+computes.
 """
 
 from __future__ import annotations

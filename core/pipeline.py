@@ -66,7 +66,7 @@ class Pipeline:
     params_of_stage: tuple[frozenset, ...]
     # each stage's parameters that one layer alone uses, in declaration order: what a loop that runs
     # every stage as one program stacks (backends/jax/ticks.py); the rest it holds on every pp rank
-    stacked_of_stage: tuple[tuple[str, ...], ...] = ()
+    stacked_of_stage: tuple[tuple[str, ...], ...]
 
     @property
     def stages(self) -> int:
