@@ -22,7 +22,8 @@ microbatch); and, as it runs every pp rank as one program, each rank holds its s
 parameters and a block of every parameter that is not stacked (the embedding, the head, a tied
 table), with their gradients and moments (``Pipeline.held_by_loop``). Accumulation's scan without
 a pipeline carries its sums too, but XLA's temporary bytes there grow by less than the gradients
-(0.64 of them for dp=4 with 2 microbatches), so none is added.
+(0.64 of them: ``parlay plan --strategy dp --mesh dp=4 --batch 16 --microbatches 2 --check``), so
+none is added.
 
 What it does not count: temporaries inside one op or one collective, the gradient of an
 activation while the backward runs, a framework's workspace and fragmentation. ``peak`` is the

@@ -160,15 +160,16 @@ def check_plan(report, batch=None) -> PlanCheck:
     from .hlo import parse_collectives
 
     program: Program = report.program
-    memory = memory_report(program, "jax")  # what JAX keeps (torch's autograd keeps other values)
+    if program.pipeline is not None and report.backend != "jax":
+        raise ValueError(f"--check of a pipeline compares JAX's tick loop with the plan of it; this plan counts "
+                         f"{report.backend}'s pipeline: pass plan_report(program, 'jax')")
+    # what JAX keeps (the backend changes the report under a pipeline only, which is JAX's here)
+    memory = report.memory if report.memory is not None else memory_report(program, "jax")
     if memory.activations is None:
         raise ValueError(f"--check needs the plan's memory prediction: {memory.detail}")
     if batch is None:  # compiled, never run: the values do not matter
         batch = {k: np.zeros(d.shape, d.dtype.numpy) for k, d in program.inputs.items()}
     if program.pipeline is not None:
-        if report.backend != "jax":
-            raise ValueError(f"--check of a pipeline compares JAX's tick loop with the plan of it; this plan counts "
-                             f"{report.backend}'s pipeline: pass plan_report(program, 'jax')")
         return _check_loop(report, memory, batch)
 
     def compile_both(session, batch):
@@ -202,6 +203,13 @@ def check_plan(report, batch=None) -> PlanCheck:
             (pc, pb), (xc, xb) = plan.get(kind, [0, 0]), xla.get(kind, [0, 0])
             if pc or pb or xb:  # (a count alone: XLA combined the two functions' differently)
                 out.rows.append(KindCheck(phase, kind, pc, pb, max(xc, 0), xb))
+    return _with_memory(out, memory, g_mem, s_mem)
+
+
+def _with_memory(out: PlanCheck, memory, g_mem, s_mem) -> PlanCheck:
+    """``out`` with the predicted memory beside XLA's: the kept activations (and a loop's gradient
+    accumulators) against the gradient function's temporary bytes, the peak against the step's
+    whole footprint."""
     out.activations = (memory.activations + memory.accumulators, g_mem.temp_size_in_bytes)
     out.accumulators = memory.accumulators
     out.peak = (memory.peak, _step_total(s_mem))
@@ -228,7 +236,4 @@ def _check_loop(report, memory, batch) -> PlanCheck:
     g_mem, s_mem, traffic, accumulation = get_backend("jax").run(program, compile_both, batch)
     out = PlanCheck(jax_rows=traffic_rows(report.records, traffic, program.mesh),
                     accumulation=accumulation, hlo=False)
-    out.activations = (memory.activations + memory.accumulators, g_mem.temp_size_in_bytes)
-    out.accumulators = memory.accumulators
-    out.peak = (memory.peak, _step_total(s_mem))
-    return out
+    return _with_memory(out, memory, g_mem, s_mem)
